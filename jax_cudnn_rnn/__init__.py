@@ -1,0 +1,27 @@
+"""cuDNN's fused RNNs for JAX, with an exact pure-JAX equivalent on every backend.
+
+    import jax_cudnn_rnn as jcr
+    lstm = jcr.CudnnLSTM(num_layers=2, num_units=256, input_size=128)
+    params = lstm.init_params(jax.random.key(0))
+    y, h, c = lstm(x, None, None, params, is_training=False)
+"""
+
+from jax_cudnn_rnn._spec import (
+    CudnnGRU,
+    CudnnLSTM,
+    CudnnRNNBase,
+    CudnnRNNRelu,
+    CudnnRNNTanh,
+)
+from jax_cudnn_rnn._dropout import keep_mask as dropout_keep_mask
+
+__all__ = [
+    "CudnnGRU",
+    "CudnnLSTM",
+    "CudnnRNNBase",
+    "CudnnRNNRelu",
+    "CudnnRNNTanh",
+    "dropout_keep_mask",
+]
+
+__version__ = "0.1.0"

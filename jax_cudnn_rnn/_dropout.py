@@ -1,0 +1,25 @@
+"""Inter-layer dropout, shared by every backend so that they drop the same units.
+
+The mask of layer `l`'s output is
+`jax.random.bernoulli(jax.random.fold_in(dropout_key, l), 1 - dropout, shape)`
+with `shape` the output's shape in the caller's layout (`[T, B, F]` time
+major, `[B, T, F]` batch major); kept values are scaled by `1 / (1 - dropout)`
+(inverted dropout). Only layers `0 .. num_layers - 2` are dropped.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def keep_mask(dropout_key: jax.Array, layer: int, shape: tuple[int, ...],
+              rate: float) -> jax.Array:
+  """Boolean mask of the units of layer `layer`'s output that are kept."""
+  return jax.random.bernoulli(jax.random.fold_in(dropout_key, layer), 1.0 - rate, shape)
+
+
+def apply(y: jax.Array, dropout_key: jax.Array, layer: int, rate: float) -> jax.Array:
+  """Inverted dropout of layer `layer`'s output `y` (in the caller's layout)."""
+  keep = keep_mask(dropout_key, layer, y.shape, rate)
+  return jnp.where(keep, y / jnp.asarray(1.0 - rate, y.dtype), jnp.zeros((), y.dtype))

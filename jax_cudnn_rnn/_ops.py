@@ -1,0 +1,130 @@
+"""The `rnn()` entry: input validation, defaults, and dispatch to a backend.
+
+Every check happens at trace time on static shapes and dtypes, so bad input
+raises `ValueError`/`TypeError` naming the argument, the expected and the
+actual value before anything reaches XLA or cuDNN.
+
+`seq_lengths` values are traced, so they cannot be checked here: they are
+clamped to `[0, T]` (a length of 0 leaves the initial state as the final state
+and an all-zero output).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jax_cudnn_rnn import _cudnn, _params, _reference
+
+IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+
+def _as_array(name: str, value) -> jax.Array:
+  if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "__jax_array__"):
+    return jnp.asarray(value)
+  if isinstance(value, (list, tuple, int, float)):
+    return jnp.asarray(value)
+  raise TypeError(f"{name} must be an array, got {type(value).__name__}")
+
+
+def _check_dtype(name: str, array: jax.Array, dtype: np.dtype) -> None:
+  if np.dtype(array.dtype) != dtype:
+    raise TypeError(f"{name} must have dtype {dtype.name} (the spec's dtype), "
+                    f"got {np.dtype(array.dtype).name}")
+
+
+def _check_state(spec, name, state, batch):
+  if state is None:
+    return jnp.zeros((spec.num_layers * spec.num_dirs, batch, spec.num_units), spec.dtype)
+  state = _as_array(name, state)
+  expected = (spec.num_layers * spec.num_dirs, batch, spec.num_units)
+  if state.shape != expected:
+    raise ValueError(f"{name} must have shape {expected} "
+                     "(num_layers * num_dirs, batch, num_units), "
+                     f"got {tuple(state.shape)}")
+  _check_dtype(name, state, spec.dtype)
+  return state
+
+
+def _check_seq_lengths(seq_lengths, batch, steps):
+  if seq_lengths is None:
+    return None
+  seq_lengths = _as_array("seq_lengths", seq_lengths)
+  if seq_lengths.shape != (batch,):
+    raise ValueError(f"seq_lengths must have shape ({batch},) (batch,), "
+                     f"got {tuple(seq_lengths.shape)}")
+  if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
+    raise TypeError(f"seq_lengths must have an integer dtype, got {np.dtype(seq_lengths.dtype).name}")
+  return jnp.clip(seq_lengths, 0, steps).astype(jnp.int32)
+
+
+def _check_key(dropout_key):
+  dtype = getattr(dropout_key, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    if dropout_key.shape != ():
+      raise ValueError(f"dropout_key must be a single PRNG key, got shape {dropout_key.shape}")
+    return dropout_key
+  if dtype is None or np.dtype(dtype) != np.uint32 or tuple(dropout_key.shape) != (2,):
+    raise TypeError("dropout_key must be a PRNG key (jax.random.key or jax.random.PRNGKey), "
+                    f"got {type(dropout_key).__name__} with dtype {dtype} and shape "
+                    f"{getattr(dropout_key, 'shape', None)}")
+  return dropout_key
+
+
+def resolve_implementation(implementation):
+  """Returns "xla" or "cudnn" for an `implementation` argument."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  if implementation == "xla":
+    return "xla"
+  available, why = _cudnn.availability()
+  if implementation == "cudnn" and not available:
+    raise RuntimeError(f"implementation='cudnn' cannot run here: {why}. "
+                       "Use implementation=None or 'xla' for the pure-JAX path.")
+  return "cudnn" if available else "xla"
+
+
+def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
+        seq_lengths=None, dropout_key=None, time_major=True, implementation=None):
+  """Validates the call of `spec` and runs it; see the spec's `__call__`."""
+  if not isinstance(is_training, (bool, np.bool_)):
+    raise TypeError(
+        f"is_training must be a Python bool, got {type(is_training).__name__}"
+        + ("" if spec.has_cell_state else
+           f"; {type(spec).__name__} takes (input_data, input_h, params): it has no input_c"))
+  if not isinstance(time_major, (bool, np.bool_)):
+    raise TypeError(f"time_major must be a Python bool, got {type(time_major).__name__}")
+  x = _as_array("input_data", input_data)
+  if x.ndim != 3:
+    layout = "[T, B, input_size]" if time_major else "[B, T, input_size]"
+    raise ValueError(f"input_data must have rank 3 {layout}, got shape {tuple(x.shape)}")
+  if x.shape[-1] != spec.input_size:
+    raise ValueError(f"input_data's last dimension must be input_size={spec.input_size}, "
+                     f"got shape {tuple(x.shape)}")
+  steps, batch = x.shape[:2] if time_major else x.shape[1::-1]
+  if steps == 0 or batch == 0:
+    raise ValueError(f"input_data must have at least one step and one sequence, got shape "
+                     f"{tuple(x.shape)} (time_major={time_major})")
+  _check_dtype("input_data", x, spec.dtype)
+  h0 = _check_state(spec, "input_h", input_h, batch)
+  if spec.has_cell_state:
+    c0 = _check_state(spec, "input_c", input_c, batch)
+  elif input_c is not None:
+    raise ValueError(f"input_c must be None for {type(spec).__name__}: it has no cell state")
+  else:
+    c0 = None
+  params = _params._check_params(spec, params)
+  lengths = _check_seq_lengths(seq_lengths, batch, steps)
+  apply_dropout = bool(is_training) and spec.dropout > 0 and spec.num_layers > 1
+  if apply_dropout:
+    if dropout_key is None:
+      raise ValueError(f"dropout_key is required when is_training=True and dropout="
+                       f"{spec.dropout} > 0: pass dropout_key=jax.random.key(...)")
+    dropout_key = _check_key(dropout_key)
+
+  backend = resolve_implementation(implementation)
+  run = _reference.rnn if backend == "xla" else _cudnn.rnn
+  y, h, c = run(spec, x, h0, c0, params, seq_lengths=lengths, dropout_key=dropout_key,
+                apply_dropout=apply_dropout, time_major=bool(time_major))
+  return (y, h, c) if spec.has_cell_state else (y, h)

@@ -1,0 +1,93 @@
+"""Parameter creation and canonical <-> opaque conversion (pure `jnp`).
+
+Both conversions are pure functions of arrays with static slicing, so they work
+under `jit`, `grad`, `vmap` and on every backend; their layout is documented
+in `_layout`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jax_cudnn_rnn import _layout
+
+Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+
+def _check_params(spec, params) -> jax.Array:
+  """Validates an opaque buffer's rank, size and dtype; returns it as an array."""
+  if not hasattr(params, "shape") or not hasattr(params, "dtype"):
+    raise TypeError(f"params must be an array, got {type(params).__name__}")
+  size = _layout.params_size(spec)
+  if params.shape != (size,):
+    raise ValueError(
+        f"params must have shape ({size},) (params_size() of {spec}), got {tuple(params.shape)}")
+  if np.dtype(params.dtype) != spec.dtype:
+    raise TypeError(f"params must have dtype {spec.dtype.name}, got {np.dtype(params.dtype).name}")
+  return jnp.asarray(params)
+
+
+def init_params(spec, key, *, weight_initializer: Initializer | None = None,
+                bias_initializer: Initializer | None = None) -> jax.Array:
+  """Creates an opaque parameter buffer for `spec`.
+
+  By default every weight and bias is drawn from `U(-1/sqrt(num_units),
+  1/sqrt(num_units))`, the initialisation cuDNN, PyTorch and
+  `jax.experimental.rnn` users expect.
+
+  Args:
+    spec: the RNN spec.
+    key: a PRNG key.
+    weight_initializer: optional `init(key, shape, dtype)` (as
+      `jax.nn.initializers`) called for every canonical matrix.
+    bias_initializer: optional `init(key, shape, dtype)` called for every
+      canonical bias vector.
+
+  Returns:
+    A 1-D array of shape `(spec.params_size(),)` and dtype `spec.dtype`.
+  """
+  bound = 1.0 / np.sqrt(spec.num_units)
+  default = lambda k, shape, dtype: jax.random.uniform(
+      k, shape, dtype, minval=-bound, maxval=bound)
+  if weight_initializer is None and bias_initializer is None:
+    return default(key, (_layout.params_size(spec),), spec.dtype)
+  w_init = weight_initializer or default
+  b_init = bias_initializer or default
+  weight_entries, bias_entries = _layout.tensors(spec)
+  keys = jax.random.split(key, len(weight_entries) + len(bias_entries))
+  weights = [w_init(k, t.shape, spec.dtype) for k, t in zip(keys, weight_entries)]
+  biases = [b_init(k, t.shape, spec.dtype)
+            for k, t in zip(keys[len(weight_entries):], bias_entries)]
+  return canonical_to_params(spec, weights, biases)
+
+
+def _check_canonical(name: str, arrays: Sequence, entries) -> None:
+  if not isinstance(arrays, (list, tuple)):
+    raise TypeError(f"{name} must be a list of arrays, got {type(arrays).__name__}")
+  if len(arrays) != len(entries):
+    raise ValueError(f"{name} must hold {len(entries)} arrays, got {len(arrays)}")
+  for i, (a, t) in enumerate(zip(arrays, entries)):
+    shape = tuple(np.shape(a))
+    if shape != t.shape:
+      raise ValueError(f"{name}[{i}] must have shape {t.shape}, got {shape}")
+
+
+def canonical_to_params(spec, weights: Sequence, biases: Sequence) -> jax.Array:
+  """Packs canonical weights and biases (cast to `spec.dtype`) into an opaque buffer."""
+  weight_entries, bias_entries = _layout.tensors(spec)
+  _check_canonical("weights", weights, weight_entries)
+  _check_canonical("biases", biases, bias_entries)
+  flat = [jnp.ravel(jnp.asarray(a)).astype(spec.dtype) for a in (*weights, *biases)]
+  return jnp.concatenate(flat)
+
+
+def params_to_canonical(spec, params) -> tuple[list[jax.Array], list[jax.Array]]:
+  """Unpacks an opaque buffer into `(weights, biases)` in canonical order."""
+  params = _check_params(spec, params)
+  weight_entries, bias_entries = _layout.tensors(spec)
+  unpack = lambda t: params[t.offset:t.offset + t.size].reshape(t.shape)
+  return [unpack(t) for t in weight_entries], [unpack(t) for t in bias_entries]

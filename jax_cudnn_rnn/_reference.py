@@ -1,0 +1,183 @@
+"""Pure-JAX RNNs: the ground truth, and the "xla" backend on every device.
+
+The equations are DESIGN §3 (cuDNN's, with a double bias). How the work is
+arranged, for speed on CPU:
+- the input projection of every time step of a layer, for both directions,
+  is one matmul outside the recurrent scan (biases folded in);
+- both directions of a bidirectional layer run in the same `lax.scan`, their
+  states stacked on a leading axis, the backward direction reading its input
+  reversed per sequence (so with `seq_lengths` it starts at `length - 1`);
+- without `seq_lengths` no masking is done at all.
+float16 and bfloat16 are computed in float32 (as cuDNN computes them) and the
+results cast back.
+
+Inputs arrive validated by `_ops.rnn`, with `None` states replaced by zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cudnn_rnn import _dropout, _layout
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+  return np.dtype(jnp.float32) if dtype.itemsize < 4 else dtype
+
+
+def _layer_params(spec, params: jax.Array, layer: int):
+  """Stacked per-direction params of `layer`.
+
+  Returns:
+    `(W, R, bW, bR)`: `W [D, in, g*H]` (None under skip_input at layer 0),
+    `R [D, H, g*H]` (both transposed for `x @ W`), `bW, bR [D, g*H]`.
+  """
+  weight_entries, bias_entries = _layout.tensors(spec)
+  g = spec.num_gates
+
+  def block(entries, kind_index_start):
+    # The g tensors of one side (input or recurrent) of one direction are
+    # contiguous in the opaque buffer: slice them as a single [g*H, ...] block.
+    out = []
+    for direction in range(spec.num_dirs):
+      first = next((t for t in entries if t.layer == layer and t.direction == direction
+                    and t.index == kind_index_start), None)
+      if first is None:
+        return None
+      rows = g * first.shape[0]
+      out.append(params[first.offset:first.offset + g * first.size].reshape(
+          (rows,) + first.shape[1:]))
+    return jnp.stack(out)
+
+  W, R = block(weight_entries, 0), block(weight_entries, g)
+  bW, bR = block(bias_entries, 0), block(bias_entries, g)
+  W = None if W is None else jnp.swapaxes(W, 1, 2)
+  return W, jnp.swapaxes(R, 1, 2), bW, bR
+
+
+def _reverse_in_time(x: jax.Array, seq_lengths: jax.Array | None) -> jax.Array:
+  """Reverses `x [T, B, ...]` along time, per sequence when lengths are given.
+
+  With lengths, step t of sequence b maps to `len_b - 1 - t` for `t < len_b`
+  and stays in place in the padding, so the operation is its own inverse.
+  """
+  if seq_lengths is None:
+    return jnp.flip(x, axis=0)
+  t = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
+  index = jnp.where(t < seq_lengths[None, :], seq_lengths[None, :] - 1 - t, t)
+  index = index.reshape(index.shape + (1,) * (x.ndim - 2))
+  return jnp.take_along_axis(x, index, axis=0)
+
+
+def _cell(rnn_mode: str, xp, rec, h, c):
+  """One step for all directions: `xp`, `rec` are `[D, B, g*H]` pre-activations."""
+  if rnn_mode == "lstm":
+    i, f, g, o = jnp.split(xp + rec, 4, axis=-1)
+    c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+    return jax.nn.sigmoid(o) * jnp.tanh(c), c
+  if rnn_mode == "gru":
+    x_r, x_z, x_n = jnp.split(xp, 3, axis=-1)
+    r_r, r_z, r_n = jnp.split(rec, 3, axis=-1)
+    r = jax.nn.sigmoid(x_r + r_r)
+    z = jax.nn.sigmoid(x_z + r_z)
+    n = jnp.tanh(x_n + r * r_n)
+    return (1 - z) * n + z * h, c
+  pre = xp + rec
+  return (jnp.tanh(pre) if rnn_mode == "rnn_tanh" else jax.nn.relu(pre)), c
+
+
+def _run_layer(spec, x, h0, c0, params, layer, seq_lengths):
+  """One layer, all directions. `x [T, B, in]`, `h0/c0 [D, B, H]`."""
+  W, R, bW, bR = _layer_params(spec, params, layer)
+  gru = spec.rnn_mode == "gru"
+  g = spec.num_gates
+  D = spec.num_dirs
+  if W is None:  # skip_input: the input is added to every gate as is
+    xp = jnp.broadcast_to(jnp.tile(x, g)[:, :, None, :], x.shape[:2] + (D, x.shape[-1] * g))
+  else:
+    T, B = x.shape[:2]
+    in_size = W.shape[1]
+    w_all = jnp.moveaxis(W, 0, 1).reshape(in_size, D * W.shape[2])
+    xp = (x @ w_all).reshape(T, B, D, W.shape[2])
+  # The recurrent bias of GRU's n gate sits inside r * (R_n h + bR_n).
+  xp = xp + (bW if gru else bW + bR)
+  xp = jnp.moveaxis(xp, 2, 0)  # [D, T, B, gH]
+  if D == 2:
+    xp = jnp.stack([xp[0], _reverse_in_time(xp[1], seq_lengths)])
+  xp = jnp.moveaxis(xp, 0, 1)  # [T, D, B, gH]
+  rec_bias = bR[:, None, :] if gru else None
+  mode = spec.rnn_mode
+
+  def step(carry, inputs):
+    h, c = carry
+    if seq_lengths is None:
+      xp_t = inputs
+    else:
+      xp_t, valid = inputs
+    rec = jnp.einsum("dbh,dhk->dbk", h, R)
+    if rec_bias is not None:
+      rec = rec + rec_bias
+    h_new, c_new = _cell(mode, xp_t, rec, h, c)
+    if seq_lengths is None:
+      return (h_new, c_new), h_new
+    keep = valid[None, :, None]
+    h_new = jnp.where(keep, h_new, h)
+    if c is not None:
+      c_new = jnp.where(keep, c_new, c)
+    return (h_new, c_new), jnp.where(keep, h_new, jnp.zeros((), h_new.dtype))
+
+  if seq_lengths is None:
+    scan_inputs = xp
+  else:
+    valid = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None] < seq_lengths[None, :]
+    scan_inputs = (xp, valid)
+  (h, c), ys = jax.lax.scan(step, (h0, c0), scan_inputs)  # ys [T, D, B, H]
+  if D == 2:
+    ys = jnp.stack([ys[:, 0], _reverse_in_time(ys[:, 1], seq_lengths)], axis=1)
+  T, _, B, H = ys.shape
+  y = jnp.moveaxis(ys, 1, 2).reshape(T, B, D * H)
+  return y, h, c
+
+
+def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None,
+        apply_dropout=False, time_major=True):
+  """The whole multi-layer RNN in pure JAX.
+
+  Args:
+    spec: the RNN spec.
+    x: `[T, B, in]` (`[B, T, in]` when not `time_major`).
+    h0, c0: `[L*D, B, H]`; `c0` is None for models without a cell state.
+    params: the opaque buffer.
+    seq_lengths: None or `[B]` int32, already clamped to `[0, T]`.
+    dropout_key: PRNG key, used when `apply_dropout`.
+    apply_dropout: whether to drop the outputs of layers `0 .. L-2`.
+    time_major: layout of `x` and of the returned output.
+
+  Returns:
+    `(y, h, c)` with `c` None for models without a cell state.
+  """
+  out_dtype = x.dtype
+  cdt = _compute_dtype(np.dtype(out_dtype))
+  x, h0, params = x.astype(cdt), h0.astype(cdt), params.astype(cdt)
+  c0 = None if c0 is None else c0.astype(cdt)
+  if not time_major:
+    x = jnp.swapaxes(x, 0, 1)
+  D = spec.num_dirs
+  hs, cs = [], []
+  for layer in range(spec.num_layers):
+    sl = slice(layer * D, (layer + 1) * D)
+    x, h, c = _run_layer(spec, x, h0[sl], None if c0 is None else c0[sl], params,
+                         layer, seq_lengths)
+    hs.append(h)
+    cs.append(c)
+    if apply_dropout and layer < spec.num_layers - 1:
+      # Masks are drawn in the caller's layout, as every backend draws them.
+      x = x if time_major else jnp.swapaxes(x, 0, 1)
+      x = _dropout.apply(x.astype(out_dtype), dropout_key, layer, spec.dropout).astype(cdt)
+      x = x if time_major else jnp.swapaxes(x, 0, 1)
+  y = x if time_major else jnp.swapaxes(x, 0, 1)
+  h = jnp.concatenate(hs).astype(out_dtype)
+  c = None if c0 is None else jnp.concatenate(cs).astype(out_dtype)
+  return y.astype(out_dtype), h, c
