@@ -1,0 +1,46 @@
+"""Shared test helpers: the spec classes, random canonical params, uniform calls."""
+
+import numpy as np
+
+import jax_cudnn_rnn as jcr
+
+SPEC_CLASSES = (jcr.CudnnLSTM, jcr.CudnnGRU, jcr.CudnnRNNTanh, jcr.CudnnRNNRelu)
+GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+
+
+def canonical_shapes(spec):
+  """Canonical shapes from the documented order, computed independently of `_layout`."""
+  g, H, D = GATES[spec.rnn_mode], spec.num_units, 2 if spec.direction == "bidirectional" else 1
+  weights, biases = [], []
+  for layer in range(spec.num_layers):
+    fan_in = spec.input_size if layer == 0 else D * H
+    for _ in range(D):
+      if not (layer == 0 and spec.input_mode == "skip_input"):
+        weights += [(H, fan_in)] * g
+      weights += [(H, H)] * g
+      biases += [(H,)] * (2 * g)
+  return weights, biases
+
+
+def random_canonical(spec, seed=0, scale=0.5):
+  rng = np.random.default_rng(seed)
+  w_shapes, b_shapes = canonical_shapes(spec)
+  draw = lambda s: (rng.uniform(-scale, scale, s)).astype(spec.dtype)
+  return [draw(s) for s in w_shapes], [draw(s) for s in b_shapes]
+
+
+def call(spec, x, h, c, params, **kwargs):
+  """Calls any spec, returning `(y, h, c)` with c None for models without one."""
+  if spec.has_cell_state:
+    return spec(x, h, c, params, **kwargs)
+  y, h_out = spec(x, h, params, **kwargs)
+  return y, h_out, None
+
+
+def random_inputs(spec, T, B, seed=1):
+  rng = np.random.default_rng(seed)
+  S = spec.num_layers * (2 if spec.direction == "bidirectional" else 1)
+  x = rng.normal(size=(T, B, spec.input_size)).astype(spec.dtype)
+  h = (0.5 * rng.normal(size=(S, B, spec.num_units))).astype(spec.dtype)
+  c = (0.5 * rng.normal(size=(S, B, spec.num_units))).astype(spec.dtype) if spec.has_cell_state else None
+  return x, h, c
