@@ -1,0 +1,73 @@
+"""Inter-layer dropout: the documented masks, inverted scaling, and inference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cudnn_rnn as jcr
+from helpers import random_inputs
+
+
+@pytest.mark.parametrize("time_major", [True, False])
+def test_dropout_equals_layers_composed_with_documented_masks(time_major):
+  rate = 0.4
+  spec = jcr.CudnnLSTM(3, 4, 3, direction="bidirectional", dropout=rate, dtype=jnp.float64)
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = random_inputs(spec, 5, 2)
+  if not time_major:
+    x = np.swapaxes(x, 0, 1)
+  key = jax.random.key(42)
+  y, hn, cn = spec(x, h, c, params, is_training=True, dropout_key=key, time_major=time_major)
+
+  # Rebuild by hand: one single-layer LSTM per layer, canonical tensors split per layer.
+  weights, biases = spec.params_to_canonical(params)
+  layer_in = x
+  per_layer_w = 16  # 2 directions * 8 matrices
+  for layer in range(3):
+    single = jcr.CudnnLSTM(1, 4, layer_in.shape[-1], direction="bidirectional", dtype=jnp.float64)
+    p = single.canonical_to_params(weights[layer * per_layer_w:(layer + 1) * per_layer_w],
+                                   biases[layer * per_layer_w:(layer + 1) * per_layer_w])
+    s = slice(2 * layer, 2 * layer + 2)
+    out, hl, cl = single(layer_in, h[s], c[s], p, is_training=True, time_major=time_major)
+    np.testing.assert_allclose(hn[s], hl, rtol=1e-12)
+    np.testing.assert_allclose(cn[s], cl, rtol=1e-12)
+    if layer < 2:
+      keep = jax.random.bernoulli(jax.random.fold_in(key, layer), 1 - rate, out.shape)
+      out = np.where(keep, out / (1 - rate), 0.0)
+    layer_in = out
+  np.testing.assert_allclose(y, layer_in, rtol=1e-12)
+
+
+def test_dropout_rate_and_scaling_statistics():
+  rate = 0.3
+  keep = jcr.dropout_keep_mask(jax.random.key(1), 0, (200, 50, 16), rate)
+  assert abs(1 - float(keep.mean()) - rate) < 0.01
+
+
+def test_no_dropout_when_not_training_or_last_layer_only():
+  spec = jcr.CudnnGRU(2, 4, 3, dropout=0.5, dtype=jnp.float64)
+  nodrop = jcr.CudnnGRU(2, 4, 3, dtype=jnp.float64)
+  params = spec.init_params(jax.random.key(0))
+  x, h, _ = random_inputs(spec, 5, 2)
+  np.testing.assert_array_equal(spec(x, h, params, is_training=False)[0], nodrop(x, h, params)[0])
+  one_layer = jcr.CudnnGRU(1, 4, 3, dropout=0.5, dtype=jnp.float64)
+  p1 = one_layer.init_params(jax.random.key(0))
+  # A single layer has no inter-layer output to drop: no key needed, no change.
+  np.testing.assert_array_equal(one_layer(x, h[:1], p1, is_training=True)[0],
+                                one_layer(x, h[:1], p1, is_training=False)[0])
+
+
+def test_keys_change_masks_and_grads_flow():
+  spec = jcr.CudnnRNNTanh(2, 8, 3, dropout=0.5, dtype=jnp.float64)
+  params = spec.init_params(jax.random.key(0))
+  x, h, _ = random_inputs(spec, 5, 2)
+  y1, _ = spec(x, h, params, dropout_key=jax.random.key(1))
+  y2, _ = spec(x, h, params, dropout_key=jax.random.key(2))
+  y1b, _ = spec(x, h, params, dropout_key=jax.random.key(1))
+  assert not np.allclose(y1, y2)
+  np.testing.assert_array_equal(y1, y1b)
+  legacy = spec(x, h, params, dropout_key=jax.random.PRNGKey(1))[0]
+  assert legacy.shape == y1.shape
+  g = jax.grad(lambda p: jnp.sum(spec(x, h, p, dropout_key=jax.random.key(1))[0]))(params)
+  assert np.all(np.isfinite(g)) and np.any(g != 0)

@@ -1,0 +1,107 @@
+"""jit, grad (check_grads), vmap and jax.checkpoint on the pure-JAX path."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jax_cudnn_rnn as jcr
+from helpers import SPEC_CLASSES, call, random_inputs
+
+
+def _setup(cls, direction="bidirectional", layers=2):
+  spec = cls(layers, 3, 2, direction=direction, dtype=jnp.float64)
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = random_inputs(spec, 4, 2)
+  return spec, params, x, h, c
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_gradients(cls, with_lengths):
+  spec, params, x, h, c = _setup(cls)
+  lengths = np.array([4, 2]) if with_lengths else None
+
+  def f(x, h, c, params):
+    return call(spec, x, h, c, params, seq_lengths=lengths, implementation="xla")
+
+  args = (x, h, c, params) if spec.has_cell_state else (x, h, None, params)
+  if spec.has_cell_state:
+    check_grads(f, args, order=1, modes=("rev", "fwd"), atol=1e-6, rtol=1e-6)
+  else:
+    check_grads(lambda x, h, p: f(x, h, None, p)[:2], (x, h, params), order=1,
+                modes=("rev", "fwd"), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_jit_matches_eager(cls):
+  spec, params, x, h, c = _setup(cls)
+  eager = call(spec, x, h, c, params, is_training=False)
+  jitted = jax.jit(lambda *a: call(spec, *a, is_training=False))(x, h, c, params)
+  for a, b in zip(eager, jitted):
+    if a is not None:
+      np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_spec_as_static_jit_argument():
+  spec, params, x, h, c = _setup(jcr.CudnnLSTM)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(spec, x, h, c, params):
+    return spec(x, h, c, params, is_training=False)[0]
+
+  np.testing.assert_allclose(run(spec, x, h, c, params), spec(x, h, c, params)[0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_vmap_over_extra_batch_axis(cls):
+  spec, params, _, _, _ = _setup(cls)
+  xs, hs, cs = [], [], []
+  for seed in range(3):
+    x, h, c = random_inputs(spec, 4, 2, seed=seed + 10)
+    xs.append(x), hs.append(h), cs.append(c)
+  xs, hs = np.stack(xs), np.stack(hs)
+  cs = np.stack(cs) if spec.has_cell_state else None
+  lengths = np.array([[4, 1], [2, 3], [0, 4]])
+  batched = jax.vmap(lambda x, h, c, l: call(spec, x, h, c, params, seq_lengths=l),
+                     in_axes=(0, 0, 0 if cs is not None else None, 0))(xs, hs, cs, lengths)
+  for i in range(3):
+    single = call(spec, xs[i], hs[i], None if cs is None else cs[i], params, seq_lengths=lengths[i])
+    for a, b in zip(batched, single):
+      if b is not None:
+        np.testing.assert_allclose(a[i], b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_vmap_over_params(cls):
+  spec, _, x, h, c = _setup(cls)
+  stacked = jnp.stack([spec.init_params(jax.random.key(i)) for i in range(3)])
+  out = jax.vmap(lambda p: call(spec, x, h, c, p))(stacked)
+  for i in range(3):
+    single = call(spec, x, h, c, stacked[i])
+    for a, b in zip(out, single):
+      if b is not None:
+        np.testing.assert_allclose(a[i], b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_checkpoint_gives_same_values_and_grads(cls):
+  spec, params, x, h, c = _setup(cls)
+  loss = lambda p, x: jnp.sum(call(spec, x, h, c, p)[0] ** 2)
+  g1 = jax.grad(loss, argnums=(0, 1))(params, x)
+  g2 = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(params, x)
+  for a, b in zip(g1, g2):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_grad_through_canonical_conversion_matches_direct():
+  spec, params, x, h, c = _setup(jcr.CudnnGRU)
+  weights, biases = spec.params_to_canonical(params)
+  loss_p = lambda p: jnp.sum(spec(x, h, p)[0])
+  loss_c = lambda w, b: loss_p(spec.canonical_to_params(w, b))
+  gw, gb = jax.grad(loss_c, argnums=(0, 1))(weights, biases)
+  g_direct = jax.grad(loss_p)(params)
+  np.testing.assert_allclose(spec.canonical_to_params(gw, gb), g_direct, rtol=1e-12)

@@ -1,0 +1,93 @@
+"""Every bad input is a clear ValueError/TypeError at trace time."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cudnn_rnn as jcr
+
+LSTM = jcr.CudnnLSTM(2, 4, 3, direction="bidirectional", dtype=jnp.float32)
+GRU = jcr.CudnnGRU(2, 4, 3, dtype=jnp.float32)
+
+
+def _good(spec):
+  params = spec.init_params(jax.random.key(0))
+  x = jnp.ones((5, 2, 3), jnp.float32)
+  h = jnp.zeros((spec.num_layers * spec.num_dirs, 2, 4), jnp.float32)
+  return x, h, params
+
+
+def _lstm(**over):
+  x, h, params = _good(LSTM)
+  args = dict(input_data=x, input_h=h, input_c=h, params=params) | over
+  return LSTM(args.pop("input_data"), args.pop("input_h"), args.pop("input_c"),
+              args.pop("params"), **args)
+
+
+@pytest.mark.parametrize("over,exc,message", [
+    (dict(input_data=jnp.ones((5, 3))), ValueError, r"input_data must have rank 3 \[T, B, input_size\], got shape \(5, 3\)"),
+    (dict(input_data=jnp.ones((5, 2, 4))), ValueError, r"last dimension must be input_size=3, got shape \(5, 2, 4\)"),
+    (dict(input_data=jnp.ones((0, 2, 3))), ValueError, "at least one step"),
+    (dict(input_data=jnp.ones((5, 2, 3), jnp.float64)), TypeError, "input_data must have dtype float32 .* got float64"),
+    (dict(input_data="abc"), TypeError, "input_data must be an array, got str"),
+    (dict(input_h=jnp.zeros((2, 2, 4))), ValueError, r"input_h must have shape \(4, 2, 4\) .* got \(2, 2, 4\)"),
+    (dict(input_h=jnp.zeros((4, 3, 4))), ValueError, r"input_h must have shape \(4, 2, 4\)"),
+    (dict(input_h=jnp.zeros((4, 2, 4), jnp.float16)), TypeError, "input_h must have dtype float32"),
+    (dict(input_c=jnp.zeros((4, 2, 5))), ValueError, r"input_c must have shape \(4, 2, 4\) .* got \(4, 2, 5\)"),
+    (dict(params=jnp.zeros(10, jnp.float32)), ValueError, r"params must have shape \(\d+,\)"),
+    (dict(params=jnp.zeros(LSTM.params_size(), jnp.bfloat16)), TypeError, "params must have dtype float32, got bfloat16"),
+    (dict(params=[1.0, 2.0]), TypeError, "params must be an array"),
+    (dict(seq_lengths=jnp.ones((3,), jnp.int32)), ValueError, r"seq_lengths must have shape \(2,\)"),
+    (dict(seq_lengths=jnp.ones((2,), jnp.float32)), TypeError, "seq_lengths must have an integer dtype, got float32"),
+    (dict(implementation="triton"), ValueError, "implementation must be one of"),
+    (dict(is_training="yes"), TypeError, "is_training must be a Python bool"),
+    (dict(time_major=1), TypeError, "time_major must be a Python bool"),
+])
+def test_bad_lstm_input(over, exc, message):
+  with pytest.raises(exc, match=message):
+    _lstm(**over)
+
+
+def test_batch_major_rank_message_names_layout():
+  with pytest.raises(ValueError, match=r"\[B, T, input_size\]"):
+    _lstm(input_data=jnp.ones((2, 3)), time_major=False)
+
+
+def test_errors_raise_at_trace_time_under_jit():
+  x, h, params = _good(LSTM)
+  with pytest.raises(ValueError, match="input_h must have shape"):
+    jax.jit(lambda x, h, p: LSTM(x, h, h, p))(x, h[:2], params)
+
+
+def test_input_c_given_to_gru():
+  x, h, params = _good(GRU)
+  with pytest.raises(TypeError, match="has no input_c"):
+    GRU(x, h, h, params)  # input_c passed positionally
+  with pytest.raises(TypeError, match="input_c"):
+    GRU(x, h, params, input_c=h)
+
+
+def test_input_c_missing_for_lstm():
+  x, h, params = _good(LSTM)
+  with pytest.raises(TypeError, match="params"):
+    LSTM(x, h, params)  # pylint: disable=no-value-for-parameter
+
+
+def test_dropout_needs_a_key_when_training():
+  spec = jcr.CudnnGRU(2, 4, 3, dropout=0.5)
+  x, h, params = _good(spec)
+  with pytest.raises(ValueError, match="dropout_key is required"):
+    spec(x, h, params, is_training=True)
+  with pytest.raises(TypeError, match="dropout_key must be a PRNG key"):
+    spec(x, h, params, is_training=True, dropout_key=3)
+  y, _ = spec(x, h, params, is_training=False)  # inference needs no key
+  assert y.shape == (5, 2, 4)
+
+
+def test_cudnn_unavailable_is_a_clear_error():
+  if jax.default_backend() == "gpu":
+    pytest.skip("a GPU is present")
+  x, h, params = _good(GRU)
+  with pytest.raises(RuntimeError, match="implementation='cudnn' cannot run here"):
+    GRU(x, h, params, implementation="cudnn")
