@@ -1,0 +1,141 @@
+#include "rnn_descriptors.h"
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "status.h"
+
+namespace jcr {
+namespace {
+
+using ::xla::ffi::Error;
+
+auto KeyTuple(const RnnKey& k) {
+  const RnnAttrs& a = k.attrs;
+  return std::make_tuple(a.cell_mode, a.num_layers, a.hidden_size, a.input_size, a.bidirectional,
+                         a.skip_input, a.batch_major, a.allow_tf32, static_cast<int>(k.data_type),
+                         k.max_seq_length, k.batch_size);
+}
+
+struct KeyLess {
+  bool operator()(const RnnKey& a, const RnnKey& b) const { return KeyTuple(a) < KeyTuple(b); }
+};
+
+// Compute precision and tensor-core policy for a data type.
+void MathFor(const RnnKey& key, cudnnDataType_t* math_prec, cudnnMathType_t* math_type) {
+  switch (key.data_type) {
+    case CUDNN_DATA_DOUBLE:
+      *math_prec = CUDNN_DATA_DOUBLE;
+      *math_type = CUDNN_DEFAULT_MATH;
+      return;
+    case CUDNN_DATA_FLOAT:
+      *math_prec = CUDNN_DATA_FLOAT;
+      *math_type = key.attrs.allow_tf32 ? CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION : CUDNN_FMA_MATH;
+      return;
+    default:  // half and bfloat16: accumulate in float32, on tensor cores
+      *math_prec = CUDNN_DATA_FLOAT;
+      *math_type = CUDNN_TENSOR_OP_MATH;
+      return;
+  }
+}
+
+}  // namespace
+
+int NumGates(int64_t cell_mode) {
+  switch (cell_mode) {
+    case CUDNN_LSTM:
+      return 4;
+    case CUDNN_GRU:
+      return 3;
+    default:
+      return 1;
+  }
+}
+
+RnnDataDescriptor::~RnnDataDescriptor() {
+  if (desc_ != nullptr) cudnnDestroyRNNDataDescriptor(desc_);
+}
+
+Error RnnDataDescriptor::Set(const RnnKey& key, int64_t vector_size,
+                             const std::vector<int32_t>& lengths) {
+  if (desc_ == nullptr) JCR_RETURN_IF_CUDNN_ERROR(cudnnCreateRNNDataDescriptor(&desc_));
+  // Zero bits are 0.0 in every floating type: padding of outputs is zeroed.
+  double padding_fill = 0.0;
+  JCR_RETURN_IF_CUDNN_ERROR(cudnnSetRNNDataDescriptor(
+      desc_, key.data_type,
+      key.attrs.batch_major ? CUDNN_RNN_DATA_LAYOUT_BATCH_MAJOR_UNPACKED
+                            : CUDNN_RNN_DATA_LAYOUT_SEQ_MAJOR_UNPACKED,
+      static_cast<int>(key.max_seq_length), static_cast<int>(key.batch_size),
+      static_cast<int>(vector_size), lengths.data(), &padding_fill));
+  return Error::Success();
+}
+
+RnnDescriptors::~RnnDescriptors() {
+  if (state_ != nullptr) cudnnDestroyTensorDescriptor(state_);
+  if (rnn_ != nullptr) cudnnDestroyRNNDescriptor(rnn_);
+  if (dropout_ != nullptr) cudnnDestroyDropoutDescriptor(dropout_);
+}
+
+Error RnnDescriptors::Init(cudnnHandle_t handle, const RnnKey& key) {
+  const RnnAttrs& a = key.attrs;
+  // Dropout between layers is applied by JAX (same masks on every backend),
+  // so cuDNN's own dropout is always off and needs no state buffer.
+  JCR_RETURN_IF_CUDNN_ERROR(cudnnCreateDropoutDescriptor(&dropout_));
+  JCR_RETURN_IF_CUDNN_ERROR(cudnnSetDropoutDescriptor(dropout_, handle, 0.0f, nullptr, 0, 0));
+
+  cudnnDataType_t math_prec;
+  cudnnMathType_t math_type;
+  MathFor(key, &math_prec, &math_type);
+  JCR_RETURN_IF_CUDNN_ERROR(cudnnCreateRNNDescriptor(&rnn_));
+  JCR_RETURN_IF_CUDNN_ERROR(cudnnSetRNNDescriptor_v8(
+      rnn_, CUDNN_RNN_ALGO_STANDARD, static_cast<cudnnRNNMode_t>(a.cell_mode),
+      CUDNN_RNN_DOUBLE_BIAS, a.bidirectional ? CUDNN_BIDIRECTIONAL : CUDNN_UNIDIRECTIONAL,
+      a.skip_input ? CUDNN_SKIP_INPUT : CUDNN_LINEAR_INPUT, key.data_type, math_prec, math_type,
+      static_cast<int32_t>(a.input_size), static_cast<int32_t>(a.hidden_size),
+      /*projSize=*/static_cast<int32_t>(a.hidden_size), static_cast<int32_t>(a.num_layers),
+      dropout_, CUDNN_RNN_PADDED_IO_ENABLED));
+
+  const int dims[3] = {static_cast<int>(NumStates(a)), static_cast<int>(key.batch_size),
+                       static_cast<int>(a.hidden_size)};
+  const int strides[3] = {dims[1] * dims[2], dims[2], 1};
+  JCR_RETURN_IF_CUDNN_ERROR(cudnnCreateTensorDescriptor(&state_));
+  JCR_RETURN_IF_CUDNN_ERROR(cudnnSetTensorNdDescriptor(state_, key.data_type, 3, dims, strides));
+
+  std::vector<int32_t> full(static_cast<size_t>(key.batch_size),
+                            static_cast<int32_t>(key.max_seq_length));
+  JCR_RETURN_IF_ERROR(x_full_.Set(key, a.input_size, full));
+  JCR_RETURN_IF_ERROR(y_full_.Set(key, OutputSize(a), full));
+
+  JCR_RETURN_IF_CUDNN_ERROR(cudnnGetRNNWeightSpaceSize(handle, rnn_, &sizes_.weight_space));
+  size_t unused_reserve = 0;
+  JCR_RETURN_IF_CUDNN_ERROR(cudnnGetRNNTempSpaceSizes(handle, rnn_, CUDNN_FWD_MODE_INFERENCE,
+                                                      x_full_.get(), &sizes_.workspace_inference,
+                                                      &unused_reserve));
+  JCR_RETURN_IF_CUDNN_ERROR(cudnnGetRNNTempSpaceSizes(handle, rnn_, CUDNN_FWD_MODE_TRAINING,
+                                                      x_full_.get(), &sizes_.workspace_training,
+                                                      &sizes_.reserve_space));
+  return Error::Success();
+}
+
+Error GetRnnDescriptors(cudnnHandle_t handle, const RnnKey& key,
+                        std::shared_ptr<const RnnDescriptors>* out) {
+  static std::mutex* mu = new std::mutex();
+  static auto* cache = new std::map<RnnKey, std::shared_ptr<const RnnDescriptors>, KeyLess>();
+  {
+    std::lock_guard<std::mutex> lock(*mu);
+    auto it = cache->find(key);
+    if (it != cache->end()) {
+      *out = it->second;
+      return Error::Success();
+    }
+  }
+  auto descriptors = std::make_shared<RnnDescriptors>();
+  JCR_RETURN_IF_ERROR(descriptors->Init(handle, key));
+  std::lock_guard<std::mutex> lock(*mu);
+  *out = cache->emplace(key, std::move(descriptors)).first->second;
+  return Error::Success();
+}
+
+}  // namespace jcr

@@ -1,0 +1,103 @@
+// The RNN configuration, its cuDNN descriptors (RAII-owned), and their cache.
+//
+// A configuration (mode, sizes, direction, input mode, data type, math mode,
+// time steps, batch, layout) maps to one immutable `RnnDescriptors`, created
+// on first use and cached for the life of the process, so steady-state calls
+// create no descriptor. Data descriptors for explicit sequence lengths depend
+// on the lengths and are made per call (`RnnDataDescriptor`).
+#ifndef JAX_CUDNN_RNN_RNN_DESCRIPTORS_H_
+#define JAX_CUDNN_RNN_RNN_DESCRIPTORS_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <cudnn.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jcr {
+
+// Attributes shared by the forward and backward handlers (one dictionary).
+struct RnnAttrs {
+  int64_t cell_mode;    // cudnnRNNMode_t: 0 relu, 1 tanh, 2 lstm, 3 gru
+  int64_t num_layers;
+  int64_t hidden_size;
+  int64_t input_size;
+  bool bidirectional;
+  bool skip_input;
+  bool batch_major;     // x and y are [B, T, F] instead of [T, B, F]
+  bool allow_tf32;      // float32 only: may cuDNN use TF32 tensor cores
+  bool has_seq_lengths; // false: every sequence has T steps, no host sync
+};
+
+struct RnnKey {
+  RnnAttrs attrs;
+  cudnnDataType_t data_type;
+  int64_t max_seq_length;
+  int64_t batch_size;
+};
+
+// Sizes in bytes for one configuration.
+struct RnnSizes {
+  size_t weight_space;
+  size_t workspace_inference;
+  size_t workspace_training;
+  size_t reserve_space;
+};
+
+// An RNN data descriptor, destroyed with its owner.
+class RnnDataDescriptor {
+ public:
+  RnnDataDescriptor() = default;
+  RnnDataDescriptor(const RnnDataDescriptor&) = delete;
+  RnnDataDescriptor& operator=(const RnnDataDescriptor&) = delete;
+  ~RnnDataDescriptor();
+  // (Re)describes `[T, B, vector_size]` data with the given host lengths.
+  ::xla::ffi::Error Set(const RnnKey& key, int64_t vector_size, const std::vector<int32_t>& lengths);
+  cudnnRNNDataDescriptor_t get() const { return desc_; }
+
+ private:
+  cudnnRNNDataDescriptor_t desc_ = nullptr;
+};
+
+// Everything cuDNN needs for one configuration with full-length sequences.
+class RnnDescriptors {
+ public:
+  RnnDescriptors() = default;
+  RnnDescriptors(const RnnDescriptors&) = delete;
+  RnnDescriptors& operator=(const RnnDescriptors&) = delete;
+  ~RnnDescriptors();
+
+  // Creates the descriptors for `key` and queries the sizes.
+  ::xla::ffi::Error Init(cudnnHandle_t handle, const RnnKey& key);
+
+  cudnnRNNDescriptor_t rnn() const { return rnn_; }
+  cudnnTensorDescriptor_t state() const { return state_; }
+  const RnnDataDescriptor& x_full() const { return x_full_; }
+  const RnnDataDescriptor& y_full() const { return y_full_; }
+  const RnnSizes& sizes() const { return sizes_; }
+
+ private:
+  cudnnDropoutDescriptor_t dropout_ = nullptr;
+  cudnnRNNDescriptor_t rnn_ = nullptr;
+  cudnnTensorDescriptor_t state_ = nullptr;
+  RnnDataDescriptor x_full_;
+  RnnDataDescriptor y_full_;
+  RnnSizes sizes_{};
+};
+
+// The cached descriptors of `key`, created with `handle` on first use.
+::xla::ffi::Error GetRnnDescriptors(cudnnHandle_t handle, const RnnKey& key,
+                                    std::shared_ptr<const RnnDescriptors>* out);
+
+// Number of gates (linear layers per side) of a cuDNN cell mode.
+int NumGates(int64_t cell_mode);
+
+// Output feature size: hidden_size times the number of directions.
+inline int64_t OutputSize(const RnnAttrs& a) { return a.hidden_size * (a.bidirectional ? 2 : 1); }
+inline int64_t NumStates(const RnnAttrs& a) { return a.num_layers * (a.bidirectional ? 2 : 1); }
+
+}  // namespace jcr
+
+#endif  // JAX_CUDNN_RNN_RNN_DESCRIPTORS_H_
