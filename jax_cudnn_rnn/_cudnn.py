@@ -1,27 +1,109 @@
-"""Loads the native library (built from `xla_ffi/`) and tells whether cuDNN can run."""
+"""The cuDNN backend: loads the native library, registers its FFI targets, and
+wraps them in a `custom_vjp` whose residual is cuDNN's reserve space.
+
+- The library (`libjax_cudnn_rnn.so`, built from `xla_ffi/`) is looked up next
+  to this file and in the installed package folders (an editable install puts
+  it in site-packages). cuDNN itself is the one the JAX CUDA plugin loads, or
+  the `nvidia-cudnn-cu13` wheel's.
+- Sizes (weight space, reserve space) are queried from cuDNN at trace time
+  through a plain C entry point and cached per configuration, so the reserve
+  space is an output of static shape.
+- Without `seq_lengths`, the handler gets a device array of full lengths and
+  never synchronises with the host. cuDNN needs lengths >= 1: zero lengths are
+  run as 1 and their outputs and final states replaced afterwards (outside the
+  `custom_vjp`, so gradients are right too).
+- Inter-layer dropout runs each layer as its own fused call, with the same
+  JAX-drawn masks as the "xla" path (`_dropout`); without dropout all layers
+  are one call.
+- `vmap` of the custom calls is sequential (one call per vmapped element).
+"""
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
+import importlib.util
 import pathlib
+import sysconfig
 
+import numpy as np
 import jax
+import jax.numpy as jnp
+
+from jax_cudnn_rnn import _dropout, _layout
 
 LIBRARY_NAME = "libjax_cudnn_rnn.so"
+CELL_MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}
+# cudnnDataType_t values.
+CUDNN_DATA_TYPES = {
+    np.dtype(jnp.float32): 0,
+    np.dtype(jnp.float64): 1,
+    np.dtype(jnp.float16): 2,
+    np.dtype(jnp.bfloat16): 9,
+}
+TARGETS = {
+    "jcr_rnn_forward_inference": "JcrRnnForwardInference",
+    "jcr_rnn_forward_training": "JcrRnnForwardTraining",
+    "jcr_rnn_backward_data": "JcrRnnBackwardData",
+    "jcr_rnn_backward_weights": "JcrRnnBackwardWeights",
+}
+
+
+def _library_candidates() -> list[pathlib.Path]:
+  here = pathlib.Path(__file__).resolve().parent
+  folders = [here]
+  for scheme_key in ("platlib", "purelib"):
+    folders.append(pathlib.Path(sysconfig.get_paths()[scheme_key]) / "jax_cudnn_rnn")
+  return [f / LIBRARY_NAME for f in dict.fromkeys(folders)]
+
+
+def _preload_cudnn_wheel() -> None:
+  """Loads the cuDNN wheel's libcudnn globally so our library's dependency resolves."""
+  spec = importlib.util.find_spec("nvidia.cudnn")
+  if spec is None or not spec.submodule_search_locations:
+    return
+  for folder in spec.submodule_search_locations:
+    candidate = pathlib.Path(folder) / "lib" / "libcudnn.so.9"
+    if candidate.exists():
+      try:
+        ctypes.CDLL(str(candidate), mode=ctypes.RTLD_GLOBAL)
+      except OSError:
+        pass
+      return
 
 
 @functools.lru_cache(maxsize=None)
 def _load():
   """The native library, or None with the reason it is not available."""
-  path = pathlib.Path(__file__).with_name(LIBRARY_NAME)
-  if not path.exists():
-    return None, (f"the native library {LIBRARY_NAME} was not built "
-                  "(CUDA and cuDNN's headers were not found at install time)")
+  path = next((p for p in _library_candidates() if p.exists()), None)
+  if path is None:
+    return None, (f"the native library {LIBRARY_NAME} was not built (CUDA and cuDNN's "
+                  "headers were not found at install time)")
+  _preload_cudnn_wheel()
   try:
-    return ctypes.cdll.LoadLibrary(str(path)), ""
+    return ctypes.CDLL(str(path)), ""
   except OSError as e:
     return None, f"the native library {path} failed to load: {e}"
+
+
+def _has_cuda_device() -> bool:
+  try:
+    return bool(jax.devices("cuda"))
+  except RuntimeError:
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _registered_library():
+  lib, why = _load()
+  if lib is None:
+    raise RuntimeError(why)
+  for target, symbol in TARGETS.items():
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+  lib.JcrRnnQuerySizes.restype = ctypes.c_int
+  lib.JcrRnnWeightLayout.restype = ctypes.c_int
+  return lib
 
 
 def availability() -> tuple[bool, str]:
@@ -29,6 +111,205 @@ def availability() -> tuple[bool, str]:
   lib, why = _load()
   if lib is None:
     return False, why
-  if jax.default_backend() != "gpu":
-    return False, f"the default JAX backend is {jax.default_backend()!r}, not a CUDA GPU"
+  if not _has_cuda_device():
+    return False, "JAX sees no CUDA device"
   return True, ""
+
+
+# -- configuration and size queries ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Static description of one fused cuDNN call (hashable: a custom_vjp static arg)."""
+
+  rnn_mode: str
+  num_layers: int
+  hidden_size: int
+  input_size: int
+  bidirectional: bool
+  skip_input: bool
+  batch_major: bool
+  allow_tf32: bool
+  has_seq_lengths: bool
+
+  def attrs(self) -> dict:
+    return dict(cell_mode=np.int64(CELL_MODES[self.rnn_mode]),
+                num_layers=np.int64(self.num_layers), hidden_size=np.int64(self.hidden_size),
+                input_size=np.int64(self.input_size), bidirectional=np.bool_(self.bidirectional),
+                skip_input=np.bool_(self.skip_input), batch_major=np.bool_(self.batch_major),
+                allow_tf32=np.bool_(self.allow_tf32),
+                has_seq_lengths=np.bool_(self.has_seq_lengths))
+
+  @property
+  def num_states(self) -> int:
+    return self.num_layers * (2 if self.bidirectional else 1)
+
+
+def _allow_tf32() -> bool:
+  """TF32 only when JAX's default matmul precision allows it for float32."""
+  precision = jax.config.jax_default_matmul_precision
+  return str(precision).lower() not in ("highest", "float32", "f32")
+
+
+def _error_buffer():
+  return ctypes.create_string_buffer(1024)
+
+
+@functools.lru_cache(maxsize=1024)
+def query_sizes(cfg: Config, dtype: np.dtype, steps: int, batch: int) -> dict:
+  """cuDNN's weight-space, workspace and reserve-space sizes in bytes."""
+  lib = _registered_library()
+  out = (ctypes.c_uint64 * 4)()
+  err = _error_buffer()
+  status = lib.JcrRnnQuerySizes(
+      ctypes.c_int64(CELL_MODES[cfg.rnn_mode]), ctypes.c_int64(cfg.num_layers),
+      ctypes.c_int64(cfg.hidden_size), ctypes.c_int64(cfg.input_size),
+      ctypes.c_int32(cfg.bidirectional), ctypes.c_int32(cfg.skip_input),
+      ctypes.c_int32(cfg.batch_major), ctypes.c_int32(cfg.allow_tf32),
+      ctypes.c_int32(CUDNN_DATA_TYPES[np.dtype(dtype)]), ctypes.c_int64(steps),
+      ctypes.c_int64(batch), out, err, ctypes.c_size_t(len(err)))
+  if status != 0:
+    raise ValueError(f"cuDNN rejected the RNN configuration {cfg} with dtype "
+                     f"{np.dtype(dtype).name}, {steps} steps, batch {batch}: "
+                     f"{err.value.decode(errors='replace')}")
+  return dict(weight_space=out[0], workspace_inference=out[1], workspace_training=out[2],
+              reserve_space=out[3])
+
+
+def weight_layout(spec) -> np.ndarray:
+  """`[pseudo_layers, 2g, 5]` int64 rows from `cudnnGetRNNWeightParams`.
+
+  Each row is `(matrix offset, rows, cols, bias offset, bias length)` in
+  elements; a matrix cuDNN does not have (skip_input) has offset -1.
+  """
+  lib = _registered_library()
+  rows = spec.num_layers * spec.num_dirs * 2 * spec.num_gates
+  out = (ctypes.c_int64 * (rows * 5))()
+  err = _error_buffer()
+  status = lib.JcrRnnWeightLayout(
+      ctypes.c_int64(CELL_MODES[spec.rnn_mode]), ctypes.c_int64(spec.num_layers),
+      ctypes.c_int64(spec.num_units), ctypes.c_int64(spec.input_size),
+      ctypes.c_int32(spec.num_dirs == 2), ctypes.c_int32(spec.input_mode == "skip_input"),
+      ctypes.c_int32(CUDNN_DATA_TYPES[spec.dtype]), ctypes.c_int64(spec.dtype.itemsize), out,
+      ctypes.c_int64(rows * 5), err, ctypes.c_size_t(len(err)))
+  if status != 0:
+    raise RuntimeError(f"cudnnGetRNNWeightParams failed for {spec}: "
+                       f"{err.value.decode(errors='replace')}")
+  return np.frombuffer(out, np.int64).reshape(spec.num_layers * spec.num_dirs,
+                                              2 * spec.num_gates, 5).copy()
+
+
+# -- the custom_vjp around the FFI calls -------------------------------------------
+
+
+def _shapes(cfg: Config, x, h0, c0):
+  y_shape = x.shape[:2] + (cfg.hidden_size * (2 if cfg.bidirectional else 1),)
+  return (jax.ShapeDtypeStruct(y_shape, x.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype),
+          jax.ShapeDtypeStruct(c0.shape, c0.dtype))
+
+
+def _steps_batch(cfg: Config, x):
+  return (x.shape[1], x.shape[0]) if cfg.batch_major else (x.shape[0], x.shape[1])
+
+
+def _forward(cfg: Config, x, h0, c0, params, lengths, training: bool):
+  steps, batch = _steps_batch(cfg, x)
+  sizes = query_sizes(cfg, np.dtype(x.dtype), steps, batch)
+  if sizes["weight_space"] != params.size * params.dtype.itemsize:
+    raise ValueError(f"params has {params.size * params.dtype.itemsize} bytes but cuDNN's "
+                     f"weight space for {cfg} has {sizes['weight_space']}: the analytic "
+                     "layout in _layout.py disagrees with this cuDNN version")
+  outs = _shapes(cfg, x, h0, c0)
+  if not training:
+    call = jax.ffi.ffi_call("jcr_rnn_forward_inference", outs, vmap_method="sequential")
+    return (*call(x, h0, c0, params, lengths, **cfg.attrs()), None)
+  reserve = jax.ShapeDtypeStruct((sizes["reserve_space"],), jnp.uint8)
+  call = jax.ffi.ffi_call("jcr_rnn_forward_training", (*outs, reserve), vmap_method="sequential")
+  return call(x, h0, c0, params, lengths, **cfg.attrs())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(cfg: Config, x, h0, c0, params, lengths):
+  y, h, c, _ = _forward(cfg, x, h0, c0, params, lengths, training=False)
+  return y, h, c
+
+
+def _fused_fwd(cfg, x, h0, c0, params, lengths):
+  y, h, c, reserve = _forward(cfg, x, h0, c0, params, lengths, training=True)
+  return (y, h, c), (x, h0, c0, params, lengths, y, reserve)
+
+
+def _fused_bwd(cfg, residuals, cotangents):
+  x, h0, c0, params, lengths, y, reserve = residuals
+  dy, dh, dc = cotangents
+  data_outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype),
+               jax.ShapeDtypeStruct(c0.shape, c0.dtype),
+               jax.ShapeDtypeStruct(reserve.shape, reserve.dtype))
+  backward_data = jax.ffi.ffi_call("jcr_rnn_backward_data", data_outs, vmap_method="sequential",
+                                   input_output_aliases={8: 3})
+  dx, dh0, dc0, reserve = backward_data(y, dy, h0, dh, c0, dc, params, lengths, reserve,
+                                        **cfg.attrs())
+  backward_weights = jax.ffi.ffi_call(
+      "jcr_rnn_backward_weights", jax.ShapeDtypeStruct(params.shape, params.dtype),
+      vmap_method="sequential")
+  dparams = backward_weights(x, h0, y, lengths, reserve, **cfg.attrs())
+  return dx, dh0, dc0, dparams, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _layer_params(spec, params, layer: int):
+  """The opaque buffer of `layer` alone, as a one-layer spec would have it."""
+  weights, biases = _layout.tensors(spec)
+  pieces = [params[t.offset:t.offset + t.size]
+            for t in (*weights, *biases) if t.layer == layer]
+  return jnp.concatenate(pieces)
+
+
+def _run_fused(spec, num_layers, input_size, skip_input, x, h0, c0, params, lengths,
+               has_lengths, time_major):
+  cfg = Config(spec.rnn_mode, num_layers, spec.num_units, input_size, spec.num_dirs == 2,
+               skip_input, not time_major, _allow_tf32(), has_lengths)
+  cell = c0 if c0 is not None else jnp.zeros((0,), x.dtype)
+  y, h, c = _fused(cfg, x, h0, cell, params, lengths)
+  return y, h, (c if c0 is not None else None)
+
+
+def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None, apply_dropout=False,
+        time_major=True):
+  """The multi-layer RNN through cuDNN; same contract as `_reference.rnn`."""
+  steps, batch = (x.shape[0], x.shape[1]) if time_major else (x.shape[1], x.shape[0])
+  has_lengths = seq_lengths is not None
+  if has_lengths:
+    lengths = jnp.maximum(seq_lengths, 1)
+  else:
+    lengths = jnp.full((batch,), steps, jnp.int32)
+  skip = spec.input_mode == "skip_input"
+  if not apply_dropout:
+    y, h, c = _run_fused(spec, spec.num_layers, spec.input_size, skip, x, h0, c0, params,
+                         lengths, has_lengths, time_major)
+  else:
+    D = spec.num_dirs
+    hs, cs, y = [], [], x
+    for layer in range(spec.num_layers):
+      sl = slice(layer * D, (layer + 1) * D)
+      y, h, c = _run_fused(spec, 1, spec.layer_input_size(layer), skip and layer == 0, y,
+                           h0[sl], None if c0 is None else c0[sl],
+                           _layer_params(spec, params, layer), lengths, has_lengths, time_major)
+      hs.append(h)
+      cs.append(c)
+      if layer < spec.num_layers - 1:
+        y = _dropout.apply(y, dropout_key, layer, spec.dropout)
+    h = jnp.concatenate(hs)
+    c = None if c0 is None else jnp.concatenate(cs)
+  if has_lengths:
+    # Sequences of length 0 ran one step: give them their defined results.
+    empty = seq_lengths == 0
+    y = jnp.where(empty[None, :, None] if time_major else empty[:, None, None],
+                  jnp.zeros((), y.dtype), y)
+    h = jnp.where(empty[None, :, None], h0, h)
+    if c is not None:
+      c = jnp.where(empty[None, :, None], c0, c)
+  return y, h, c

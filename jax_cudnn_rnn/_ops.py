@@ -73,7 +73,7 @@ def _check_key(dropout_key):
 
 
 def resolve_implementation(implementation):
-  """Returns "xla" or "cudnn" for an `implementation` argument."""
+  """Returns "xla", "cudnn" or "auto" (cuDNN on CUDA devices, XLA elsewhere)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "xla":
@@ -82,7 +82,9 @@ def resolve_implementation(implementation):
   if implementation == "cudnn" and not available:
     raise RuntimeError(f"implementation='cudnn' cannot run here: {why}. "
                        "Use implementation=None or 'xla' for the pure-JAX path.")
-  return "cudnn" if available else "xla"
+  if implementation == "cudnn":
+    return "cudnn"
+  return "auto" if available else "xla"
 
 
 def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
@@ -124,7 +126,16 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     dropout_key = _check_key(dropout_key)
 
   backend = resolve_implementation(implementation)
-  run = _reference.rnn if backend == "xla" else _cudnn.rnn
-  y, h, c = run(spec, x, h0, c0, params, seq_lengths=lengths, dropout_key=dropout_key,
-                apply_dropout=apply_dropout, time_major=bool(time_major))
+  options = dict(seq_lengths=lengths, dropout_key=dropout_key, apply_dropout=apply_dropout,
+                 time_major=bool(time_major))
+  xla = lambda *a: _reference.rnn(spec, *a, **options)
+  cudnn = lambda *a: _cudnn.rnn(spec, *a, **options)
+  if backend == "xla":
+    y, h, c = xla(x, h0, c0, params)
+  elif backend == "cudnn":
+    y, h, c = cudnn(x, h0, c0, params)
+  else:
+    # Decided at lowering: cuDNN when the computation is placed on a CUDA
+    # device, the pure-JAX path on any other (a CPU device of a GPU machine).
+    y, h, c = jax.lax.platform_dependent(x, h0, c0, params, cuda=cudnn, default=xla)
   return (y, h, c) if spec.has_cell_state else (y, h)

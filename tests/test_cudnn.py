@@ -1,0 +1,179 @@
+"""The cuDNN backend against the pure-JAX reference (needs a CUDA GPU and the native library).
+
+Every test here is marked `gpu` and skipped where JAX sees no CUDA device or
+the native library was not built; run them wherever a CUDA GPU is at hand:
+`pytest -m gpu -v`.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import _cudnn, _layout
+from helpers import SPEC_CLASSES, call, random_inputs
+
+_available, _why = _cudnn.availability()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _available, reason=_why or "no CUDA")]
+
+TOLERANCE = {jnp.float64: 1e-9, jnp.float32: 2e-5, jnp.float16: 2e-2, jnp.bfloat16: 8e-2}
+
+
+def _rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _check_against_reference(spec, T=6, B=3, seq_lengths=None, time_major=True, key=None):
+  params = spec.init_params(jax.random.key(1))
+  x, h, c = random_inputs(spec, T, B, seed=2)
+  if not time_major:
+    x = np.swapaxes(x, 0, 1)
+  x, h = jnp.asarray(x), jnp.asarray(h)
+  c = None if c is None else jnp.asarray(c)
+  opts = dict(seq_lengths=seq_lengths, time_major=time_major, dropout_key=key)
+
+  def loss(impl, x, h, c, p):
+    y, hn, cn = call(spec, x, h, c, p, implementation=impl, **opts)
+    total = jnp.sum(jnp.sin(y.astype(jnp.float32))) + jnp.sum(hn.astype(jnp.float32) ** 2)
+    if cn is not None:
+      total += jnp.sum(jnp.cos(cn.astype(jnp.float32)))
+    return total, (y, hn, cn)
+
+  argnums = (0, 1, 2, 3) if spec.has_cell_state else (0, 1, 3)
+  tol = TOLERANCE[spec.dtype.type]
+  with jax.default_matmul_precision("highest"):
+    results = {impl: jax.grad(loss, argnums=tuple(a + 1 for a in argnums), has_aux=True)(
+        impl, x, h, c, params) for impl in ("xla", "cudnn")}
+  (g_ref, out_ref), (g_cud, out_cud) = results["xla"], results["cudnn"]
+  for name, a, b in zip(("y", "h", "c"), out_cud, out_ref):
+    if b is not None:
+      assert a.dtype == b.dtype
+      assert _rel_err(a, b) < tol, (name, _rel_err(a, b))
+  for name, a, b in zip(("dx", "dh", "dc", "dparams")[:len(g_ref)] if spec.has_cell_state
+                        else ("dx", "dh", "dparams"), g_cud, g_ref):
+    assert np.all(np.isfinite(np.asarray(a, np.float32))), name
+    assert _rel_err(a, b) < 5 * tol, (name, _rel_err(a, b))
+
+
+SWEEP = list(itertools.product(SPEC_CLASSES, (1, 2), ("unidirectional", "bidirectional"),
+                               ("linear_input", "skip_input")))
+
+
+@pytest.mark.parametrize("cls,layers,direction,mode", SWEEP)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_values_and_gradients(cls, layers, direction, mode, dtype):
+  spec = cls(layers, 8, 8 if mode == "skip_input" else 5, input_mode=mode, direction=direction,
+             dtype=dtype)
+  _check_against_reference(spec)
+
+
+@pytest.mark.parametrize("cls,direction", list(itertools.product(SPEC_CLASSES, ("unidirectional", "bidirectional"))))
+@pytest.mark.parametrize("time_major", [True, False])
+def test_seq_lengths_and_layouts(cls, direction, time_major):
+  spec = cls(2, 8, 5, direction=direction, dtype=jnp.float32)
+  _check_against_reference(spec, T=7, B=4, seq_lengths=jnp.array([7, 3, 1, 0], jnp.int32),
+                           time_major=time_major)
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision(cls, dtype):
+  spec = cls(2, 16, 8, direction="bidirectional", dtype=dtype)
+  try:
+    _check_against_reference(spec, T=5, B=4)
+  except ValueError as e:  # a clear error where cuDNN does not support the dtype
+    assert "cuDNN rejected" in str(e) and dtype == jnp.bfloat16, e
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_dropout_matches_reference(cls):
+  spec = cls(3, 8, 5, direction="bidirectional", dropout=0.5, dtype=jnp.float32)
+  _check_against_reference(spec, key=jax.random.key(9))
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("direction", ["unidirectional", "bidirectional"])
+@pytest.mark.parametrize("mode", ["linear_input", "skip_input"])
+def test_analytic_layout_equals_cudnn(cls, direction, mode):
+  spec = cls(3, 6, 6 if mode == "skip_input" else 4, input_mode=mode, direction=direction)
+  rows = _cudnn.weight_layout(spec)
+  weights, biases = _layout.tensors(spec)
+  g = spec.num_gates
+  by_id = {(t.layer * spec.num_dirs + t.direction, t.index): t for t in weights}
+  for t in biases:
+    row = rows[t.layer * spec.num_dirs + t.direction, t.index]
+    assert (row[3], row[4]) == (t.offset, t.shape[0]), (t, row)
+  for p in range(rows.shape[0]):
+    for lin in range(2 * g):
+      row = rows[p, lin]
+      t = by_id.get((p, lin))
+      if t is None:  # skip_input: layer 0 has no input matrices
+        assert row[0] == -1 or row[1] * row[2] == 0, row
+      else:
+        assert (row[0], row[1], row[2]) == (t.offset, *t.shape), (t, row)
+  assert 4 * spec.params_size() == _cudnn.query_sizes(
+      _cudnn.Config(spec.rnn_mode, 3, 6, spec.input_size, direction == "bidirectional",
+                    mode == "skip_input", False, False, False), spec.dtype, 1, 1)["weight_space"]
+
+
+def test_default_implementation_uses_cudnn_on_gpu():
+  spec = jcr.CudnnLSTM(1, 8, 4)
+  params = spec.init_params(jax.random.key(0))
+  x = jnp.ones((3, 2, 4), jnp.float32)
+  hlo = jax.jit(lambda x, p: spec(x, None, None, p)).lower(x, params).as_text()
+  assert "jcr_rnn_forward" in hlo
+
+
+def test_vmap_of_cudnn_matches_loop():
+  spec = jcr.CudnnGRU(2, 8, 4, dtype=jnp.float32)
+  params = spec.init_params(jax.random.key(0))
+  xs = jax.random.normal(jax.random.key(1), (3, 5, 2, 4))
+  with jax.default_matmul_precision("highest"):
+    batched = jax.vmap(lambda x: spec(x, None, params, implementation="cudnn")[0])(xs)
+    for i in range(3):
+      single = spec(xs[i], None, params, implementation="cudnn")[0]
+      np.testing.assert_allclose(batched[i], single, rtol=1e-5, atol=1e-6)
+
+
+def test_memory_is_flat_over_many_calls():
+  spec = jcr.CudnnLSTM(2, 64, 32, direction="bidirectional")
+  params = spec.init_params(jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (20, 8, 32))
+  step = jax.jit(jax.grad(lambda p, x: jnp.sum(spec(x, None, None, p)[0] ** 2)))
+  device = jax.devices("cuda")[0]
+  g = step(params, x).block_until_ready()
+  before = device.memory_stats()["bytes_in_use"]
+  for _ in range(200):
+    g = step(params, x)
+  g.block_until_ready()
+  del g
+  after = device.memory_stats()["bytes_in_use"]
+  assert after - before < 1 << 20, (before, after)
+
+
+def test_bad_input_reaching_the_handler_is_an_error_not_a_crash():
+  _cudnn._registered_library()
+  cfg = _cudnn.Config("gru", 1, 8, 4, False, False, False, False, True)
+  x = jnp.ones((5, 2, 4), jnp.float32)
+  h = jnp.zeros((1, 2, 8), jnp.float32)
+  spec = jcr.CudnnGRU(1, 8, 4)
+  params = spec.init_params(jax.random.key(0))
+  outs = (jax.ShapeDtypeStruct((5, 2, 8), jnp.float32), jax.ShapeDtypeStruct((1, 2, 8), jnp.float32),
+          jax.ShapeDtypeStruct((0,), jnp.float32))
+  forward = jax.ffi.ffi_call("jcr_rnn_forward_inference", outs)
+  empty = jnp.zeros((0,), jnp.float32)
+  with pytest.raises(Exception, match="seq_lengths\\[1\\] = 9 is outside"):
+    jax.block_until_ready(forward(x, h, empty, params, jnp.array([5, 9], jnp.int32), **cfg.attrs()))
+  with pytest.raises(Exception, match="hx must have shape"):
+    jax.block_until_ready(forward(x, jnp.zeros((2, 2, 8), jnp.float32), empty, params,
+                                  jnp.array([5, 5], jnp.int32), **cfg.attrs()))
+  with pytest.raises(Exception, match="weight space"):
+    jax.block_until_ready(forward(x, h, empty, params[:-1], jnp.array([5, 5], jnp.int32),
+                                  **cfg.attrs()))
+  # The process is still healthy: a good call works afterwards.
+  y, _ = spec(x, h, params, implementation="cudnn")
+  assert np.all(np.isfinite(y))
