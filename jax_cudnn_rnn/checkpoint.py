@@ -1,0 +1,243 @@
+"""Checkpoints of RNN parameters in the canonical format, through Orbax.
+
+The seeds' `RNNParamsSaveable` / `CudnnOpaqueParamsSaveable`, the JAX way: an
+opaque buffer is saved as its canonical per-layer, per-direction, per-gate
+arrays and restored into an opaque buffer, so a checkpoint outlives cuDNN
+versions, GPUs and backends (a GPU checkpoint restores on a CPU and back).
+
+File format (version 1), one directory per RNN:
+- `spec.json`: `{"format": "jax_cudnn_rnn.canonical", "version": 1,
+  "spec": {class, num_layers, num_units, input_size, input_mode, direction,
+  dtype, dropout, seed}, "arrays": {name: [shape, stored dtype]}}`;
+- `arrays.npz`: one array per canonical tensor, named as in
+  `to_canonical_tree` flattened with "/" (`layer_0/forward/W_i`). float16 and
+  bfloat16 are stored as float32 (exactly), the spec's dtype is in `spec.json`.
+
+Canonical tree (stable names, a file format): `{"layer_<l>": {"forward" |
+"backward": {"W_<gate>", "R_<gate>", "bW_<gate>", "bR_<gate>"}}}` with gates
+`i, f, g, o` (LSTM), `r, z, n` (GRU), `h` (Elman RNNs); `W` `[num_units, in]`,
+`R` `[num_units, num_units]`, biases `[num_units]`. Under skip_input,
+`layer_0` has no `W_*`.
+
+Restoring checks the spec (each differing field named), the format version,
+every array's presence and shape; any problem raises `CheckpointError` and
+returns nothing partial. `save` writes through Orbax's atomic temporary
+directory and only then replaces an existing checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from typing import Any
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from etils import epath
+
+import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import _layout
+
+FORMAT = "jax_cudnn_rnn.canonical"
+VERSION = 1
+SPEC_FILE = "spec.json"
+ARRAYS_FILE = "arrays.npz"
+_SPEC_CLASSES = {c.__name__: c for c in (jcr.CudnnLSTM, jcr.CudnnGRU, jcr.CudnnRNNTanh,
+                                         jcr.CudnnRNNRelu)}
+_SPEC_FIELDS = ("num_layers", "num_units", "input_size", "input_mode", "direction", "dtype",
+                "dropout", "seed")
+
+
+class CheckpointError(ValueError):
+  """A checkpoint is missing, damaged, or does not match the requested spec."""
+
+
+def _names(spec) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]:
+  """(layer, direction, leaf) names of the canonical weights and biases."""
+  weights, biases = _layout.tensors(spec)
+
+  def name(t):
+    leaf = _layout.tensor_name(spec, t).split("/")[-1]
+    return f"layer_{t.layer}", ("forward", "backward")[t.direction], leaf
+
+  return [name(t) for t in weights], [name(t) for t in biases]
+
+
+def to_canonical_tree(spec, params) -> dict:
+  """The opaque buffer as a nested dict of named canonical arrays (see module doc)."""
+  weights, biases = spec.params_to_canonical(params)
+  w_names, b_names = _names(spec)
+  tree: dict = {}
+  for (layer, direction, leaf), array in zip(w_names + b_names, weights + biases):
+    tree.setdefault(layer, {}).setdefault(direction, {})[leaf] = array
+  return tree
+
+
+def from_canonical_tree(spec, tree) -> jax.Array:
+  """Inverse of `to_canonical_tree`: an opaque buffer of `spec.dtype`."""
+  w_names, b_names = _names(spec)
+
+  def get(names):
+    out = []
+    for layer, direction, leaf in names:
+      try:
+        out.append(tree[layer][direction][leaf])
+      except (KeyError, TypeError):
+        raise CheckpointError(f"canonical tree has no {layer}/{direction}/{leaf} "
+                              f"(needed by {spec})") from None
+    return out
+
+  return spec.canonical_to_params(get(w_names), get(b_names))
+
+
+def spec_to_dict(spec) -> dict:
+  d = {"class": type(spec).__name__}
+  for f in _SPEC_FIELDS:
+    v = getattr(spec, f)
+    d[f] = v.name if f == "dtype" else v
+  return d
+
+
+def spec_from_dict(d: dict):
+  try:
+    cls = _SPEC_CLASSES[d["class"]]
+    return cls(**{f: d[f] for f in _SPEC_FIELDS})
+  except (KeyError, TypeError, ValueError) as e:
+    raise CheckpointError(f"checkpoint's spec record is invalid: {d!r} ({e})") from None
+
+
+def _spec_differences(saved: dict, wanted) -> list[str]:
+  want = spec_to_dict(wanted)
+  # dtype may differ: restoring casts. dropout and seed do not change params.
+  return [f"{k}: checkpoint has {saved.get(k)!r}, requested {want[k]!r}"
+          for k in ("class", "num_layers", "num_units", "input_size", "input_mode", "direction")
+          if saved.get(k) != want[k]]
+
+
+def _flat_names(spec) -> list[str]:
+  w_names, b_names = _names(spec)
+  return ["/".join(n) for n in w_names + b_names]
+
+
+def _write(directory: epath.Path, spec, params) -> None:
+  params = jax.device_get(params)
+  tree = to_canonical_tree(spec, params)
+  store = np.float32 if spec.dtype.itemsize < 4 else spec.dtype
+  arrays = {}
+  for name in _flat_names(spec):
+    layer, direction, leaf = name.split("/")
+    arrays[name] = np.asarray(np.asarray(tree[layer][direction][leaf]).astype(store))
+  record = {"format": FORMAT, "version": VERSION, "spec": spec_to_dict(spec),
+            "arrays": {k: [list(v.shape), v.dtype.name] for k, v in arrays.items()}}
+  directory.mkdir(parents=True, exist_ok=True)
+  with open(os.fspath(directory / ARRAYS_FILE), "wb") as f:
+    np.savez(f, **arrays)
+  (directory / SPEC_FILE).write_text(json.dumps(record, indent=1))
+
+
+def _read(directory: epath.Path, spec, dtype=None) -> jax.Array:
+  spec_path, arrays_path = directory / SPEC_FILE, directory / ARRAYS_FILE
+  for path in (spec_path, arrays_path):
+    if not path.exists():
+      raise CheckpointError(f"checkpoint file {path} is missing")
+  try:
+    record = json.loads(spec_path.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{spec_path} is damaged: {e}") from None
+  if record.get("format") != FORMAT:
+    raise CheckpointError(f"{spec_path} is not a {FORMAT} checkpoint")
+  if record.get("version") != VERSION:
+    raise CheckpointError(f"{spec_path} has format version {record.get('version')}, "
+                          f"this library reads version {VERSION}")
+  differences = _spec_differences(record.get("spec", {}), spec)
+  if differences:
+    raise CheckpointError("checkpoint spec differs from the requested spec: "
+                          + "; ".join(differences))
+  names = _flat_names(spec)
+  w_shapes = [t.shape for t in _layout.tensors(spec)[0]]
+  b_shapes = [t.shape for t in _layout.tensors(spec)[1]]
+  try:
+    with np.load(os.fspath(arrays_path), allow_pickle=False) as data:
+      arrays = {}
+      for name, shape in zip(names, w_shapes + b_shapes):
+        if name not in data.files:
+          raise CheckpointError(f"{arrays_path} has no array {name}")
+        a = data[name]
+        if a.shape != shape:
+          raise CheckpointError(f"{arrays_path}: {name} has shape {a.shape}, expected {shape}")
+        arrays[name] = a
+  except CheckpointError:
+    raise
+  except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+    raise CheckpointError(f"{arrays_path} is damaged: {e}") from None
+  target = spec if dtype is None else dataclasses.replace(spec, dtype=dtype)
+  weights = [arrays[n] for n in names[:len(w_shapes)]]
+  biases = [arrays[n] for n in names[len(w_shapes):]]
+  return target.canonical_to_params([jnp.asarray(w) for w in weights],
+                                    [jnp.asarray(b) for b in biases])
+
+
+class RNNParamsHandler(ocp.CheckpointHandler):
+  """Orbax handler writing and reading one RNN's canonical arrays."""
+
+  def save(self, directory: epath.Path, args: "RNNParamsSave") -> None:
+    _write(epath.Path(directory), args.spec, args.params)
+
+  def restore(self, directory: epath.Path, args: "RNNParamsRestore" = None) -> jax.Array:
+    if args is None:
+      raise CheckpointError("restoring RNN params needs RNNParamsRestore(spec)")
+    return _read(epath.Path(directory), args.spec, args.dtype)
+
+  def metadata(self, directory: epath.Path) -> Any:
+    path = epath.Path(directory) / SPEC_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+@ocp.args.register_with_handler(RNNParamsHandler, for_save=True)
+@dataclasses.dataclass
+class RNNParamsSave(ocp.args.CheckpointArgs):
+  """Save one RNN's opaque `params` of `spec` in the canonical format."""
+
+  spec: Any
+  params: Any
+
+
+@ocp.args.register_with_handler(RNNParamsHandler, for_restore=True)
+@dataclasses.dataclass
+class RNNParamsRestore(ocp.args.CheckpointArgs):
+  """Restore into an opaque buffer of `spec` (cast to `dtype` if given, else spec.dtype)."""
+
+  spec: Any
+  dtype: Any = None
+
+
+def save(directory, spec, params) -> None:
+  """Saves `params` of `spec` to `directory`, replacing a checkpoint there only on success."""
+  directory = epath.Path(directory).absolute()
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  staging = epath.Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+  try:
+    written = staging / "checkpoint"
+    with ocp.Checkpointer(RNNParamsHandler()) as checkpointer:
+      checkpointer.save(written, args=RNNParamsSave(spec, params))
+    old = staging / "previous"
+    if directory.exists():
+      os.replace(os.fspath(directory), os.fspath(old))
+    os.replace(os.fspath(written), os.fspath(directory))
+  finally:
+    shutil.rmtree(os.fspath(staging), ignore_errors=True)
+
+
+def restore(directory, spec, dtype=None) -> jax.Array:
+  """Restores an opaque buffer of `spec` (cast to `dtype` if given) from `directory`."""
+  directory = epath.Path(directory).absolute()
+  if not directory.exists():
+    raise CheckpointError(f"checkpoint directory {directory} does not exist")
+  with ocp.Checkpointer(RNNParamsHandler()) as checkpointer:
+    return checkpointer.restore(directory, args=RNNParamsRestore(spec, dtype))

@@ -1,0 +1,245 @@
+"""Converters between the opaque buffer and other libraries' RNN weights.
+
+Lossless where the target can express the weights, an error where it cannot:
+- PyTorch `nn.LSTM` / `nn.GRU` / `nn.RNN` state dicts (same gate orders and
+  double bias as cuDNN): exact both ways. Under skip_input, layer 0's
+  `weight_ih` is the stacked identity; reading a state dict into a
+  skip_input spec refuses any other matrix.
+- Flax linen cells (`LSTMCell`, `OptimizedLSTMCell`, `GRUCell`, `SimpleCell`),
+  one per layer and direction. Where the cell has one bias per gate, the two
+  cuDNN biases are summed; reading back puts the sum in `bW` and zero in `bR`
+  (the same function). GRU keeps both biases of the `n` gate, as Flax does.
+- Keras 3 `LSTM`, `GRU(reset_after=True)`, `SimpleRNN` weight lists
+  (`[kernel, recurrent_kernel, bias]`): Keras orders GRU gates z, r, h; its
+  LSTM and SimpleRNN have one bias (summed as for Flax). Keras GRU without
+  `reset_after` computes a different function and is refused.
+
+Everything returns numpy arrays (torch tensors for `to_torch_state_dict` when
+`as_tensors=True`), so it runs with no device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from jax_cudnn_rnn import _layout
+
+
+def _np(a) -> np.ndarray:
+  if hasattr(a, "detach"):  # torch tensor
+    a = a.detach().cpu().numpy()
+  return np.asarray(a)
+
+
+def _per_direction(spec, params):
+  """`{(layer, direction): (W list | None, R list, bW list, bR list)}` as numpy."""
+  weights, biases = spec.params_to_canonical(params)
+  w_entries, b_entries = _layout.tensors(spec)
+  g = spec.num_gates
+  out = {}
+  for layer in range(spec.num_layers):
+    for d in range(spec.num_dirs):
+      ws = [np.asarray(w) for w, t in zip(weights, w_entries) if (t.layer, t.direction) == (layer, d)]
+      bs = [np.asarray(b) for b, t in zip(biases, b_entries) if (t.layer, t.direction) == (layer, d)]
+      W = ws[:g] if len(ws) == 2 * g else None
+      out[layer, d] = (W, ws[-g:], bs[:g], bs[g:])
+  return out
+
+
+def _from_per_direction(spec, per_direction):
+  weights, biases = [], []
+  for layer in range(spec.num_layers):
+    for d in range(spec.num_dirs):
+      W, R, bW, bR = per_direction[layer, d]
+      if spec.layer_has_input_weights(layer):
+        weights += list(W)
+      weights += list(R)
+      biases += list(bW) + list(bR)
+  return spec.canonical_to_params(weights, biases)
+
+
+def _identity_inputs(spec):
+  return [np.eye(spec.num_units, dtype=spec.dtype)] * spec.num_gates
+
+
+def _check_skip_identity(spec, W, where: str):
+  eye = np.eye(spec.num_units)
+  if not all(np.array_equal(np.asarray(w, np.float64), eye) for w in W):
+    raise ValueError(f"{where}: the spec uses skip_input, so layer 0's input matrices must be "
+                     "identities; these are not, and cannot be represented")
+
+
+# -- PyTorch -------------------------------------------------------------------------
+
+
+def _torch_suffix(layer, d):
+  return f"l{layer}" + ("_reverse" if d == 1 else "")
+
+
+def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
+  """Keys and values of `torch.nn.LSTM/GRU/RNN(..., bias=True)` with the same config."""
+  out = {}
+  for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
+    W = _identity_inputs(spec) if W is None else W
+    s = _torch_suffix(layer, d)
+    out[f"weight_ih_{s}"] = np.concatenate(W)
+    out[f"weight_hh_{s}"] = np.concatenate(R)
+    out[f"bias_ih_{s}"] = np.concatenate(bW)
+    out[f"bias_hh_{s}"] = np.concatenate(bR)
+  if as_tensors:
+    import torch
+    out = {k: torch.from_numpy(np.ascontiguousarray(v.astype(np.float32) if v.dtype.itemsize < 4
+                                                    else v)) for k, v in out.items()}
+  return out
+
+
+def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
+  """An opaque buffer from a torch RNN state dict (numpy arrays or tensors)."""
+  g = spec.num_gates
+  per = {}
+  for layer in range(spec.num_layers):
+    for d in range(spec.num_dirs):
+      s = _torch_suffix(layer, d)
+      try:
+        parts = [_np(state_dict[f"{k}_{s}"]) for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+      except KeyError as e:
+        raise ValueError(f"state_dict has no {e.args[0]} (needed by {spec}); "
+                         "proj_size and bias=False are not supported") from None
+      W, R, bW, bR = (np.split(p, g) for p in parts)
+      if not spec.layer_has_input_weights(layer):
+        _check_skip_identity(spec, W, f"weight_ih_{s}")
+      per[layer, d] = (W, R, bW, bR)
+  extra = set(state_dict) - {f"{k}_{_torch_suffix(l, d)}" for l in range(spec.num_layers)
+                             for d in range(spec.num_dirs)
+                             for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+  if extra:
+    raise ValueError(f"state_dict has keys {sorted(extra)} that {spec} has no place for")
+  return _from_per_direction(spec, per)
+
+
+# -- Flax linen cells ----------------------------------------------------------------
+
+_LSTM_GATES = "ifgo"
+
+
+def flax_linen_cell(spec, cell: str = "LSTMCell"):
+  """The Flax linen cell module matching `spec` (one per layer and direction)."""
+  import flax.linen as nn
+  import jax
+  H = spec.num_units
+  if spec.rnn_mode == "lstm":
+    if cell not in ("LSTMCell", "OptimizedLSTMCell"):
+      raise ValueError(f"cell must be 'LSTMCell' or 'OptimizedLSTMCell' for an LSTM, got {cell!r}")
+    return getattr(nn, cell)(H, param_dtype=spec.dtype)
+  if spec.rnn_mode == "gru":
+    return nn.GRUCell(H, param_dtype=spec.dtype)
+  act = jax.numpy.tanh if spec.rnn_mode == "rnn_tanh" else jax.nn.relu
+  return nn.SimpleCell(H, activation_fn=act, param_dtype=spec.dtype)
+
+
+def to_flax_linen_cells(spec, params) -> list[list[dict]]:
+  """Flax linen cell params `[layer][direction]` (each `{"kernel"...}` trees under cell names)."""
+  out = [[None] * spec.num_dirs for _ in range(spec.num_layers)]
+  for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
+    W = _identity_inputs(spec) if W is None else W
+    if spec.rnn_mode == "lstm":
+      p = {f"i{k}": {"kernel": W[j].T} for j, k in enumerate(_LSTM_GATES)}
+      p |= {f"h{k}": {"kernel": R[j].T, "bias": bW[j] + bR[j]} for j, k in enumerate(_LSTM_GATES)}
+    elif spec.rnn_mode == "gru":
+      p = {"ir": {"kernel": W[0].T, "bias": bW[0] + bR[0]},
+           "iz": {"kernel": W[1].T, "bias": bW[1] + bR[1]},
+           "in": {"kernel": W[2].T, "bias": bW[2]},
+           "hr": {"kernel": R[0].T}, "hz": {"kernel": R[1].T},
+           "hn": {"kernel": R[2].T, "bias": bR[2]}}
+    else:
+      p = {"i": {"kernel": W[0].T, "bias": bW[0] + bR[0]}, "h": {"kernel": R[0].T}}
+    out[layer][d] = p
+  return out
+
+
+def from_flax_linen_cells(spec, cells: Sequence[Sequence[Mapping]]):
+  """An opaque buffer from Flax linen cell params `[layer][direction]`."""
+  g = spec.num_gates
+  per = {}
+  for layer in range(spec.num_layers):
+    for d in range(spec.num_dirs):
+      c = cells[layer][d]
+      c = c.get("params", c)
+      k = lambda name: _np(c[name]["kernel"]).T
+      b = lambda name: _np(c[name]["bias"])
+      try:
+        if spec.rnn_mode == "lstm":
+          W = [k(f"i{q}") for q in _LSTM_GATES]
+          R = [k(f"h{q}") for q in _LSTM_GATES]
+          bW = [b(f"h{q}") for q in _LSTM_GATES]
+          bR = [np.zeros_like(x) for x in bW]
+        elif spec.rnn_mode == "gru":
+          W = [k("ir"), k("iz"), k("in")]
+          R = [k("hr"), k("hz"), k("hn")]
+          bW = [b("ir"), b("iz"), b("in")]
+          bR = [np.zeros_like(bW[0]), np.zeros_like(bW[1]), b("hn")]
+        else:
+          W, R, bW = [k("i")], [k("h")], [b("i")]
+          bR = [np.zeros_like(bW[0])]
+      except KeyError as e:
+        raise ValueError(f"cells[{layer}][{d}] has no {e.args[0]!r}: not a Flax cell of "
+                         f"{spec.rnn_mode}") from None
+      if not spec.layer_has_input_weights(layer):
+        _check_skip_identity(spec, W, f"cells[0][{d}]")
+      per[layer, d] = (W, R, bW, bR)
+  return _from_per_direction(spec, per)
+
+
+# -- Keras 3 ---------------------------------------------------------------------------
+
+# Keras's gate order, as indices into cuDNN's: GRU is (z, r, h).
+_KERAS_ORDER = {"lstm": [0, 1, 2, 3], "gru": [1, 0, 2], "rnn_tanh": [0], "rnn_relu": [0]}
+
+
+def to_keras_weights(spec, params) -> list[list[list[np.ndarray]]]:
+  """Keras 3 layer weights `[layer][direction] = [kernel, recurrent_kernel, bias]`.
+
+  For GRU the layer must be `GRU(reset_after=True)` (bias shape `[2, 3H]`).
+  """
+  order = _KERAS_ORDER[spec.rnn_mode]
+  out = [[None] * spec.num_dirs for _ in range(spec.num_layers)]
+  for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
+    W = _identity_inputs(spec) if W is None else W
+    kernel = np.concatenate([W[j].T for j in order], axis=1)
+    recurrent = np.concatenate([R[j].T for j in order], axis=1)
+    if spec.rnn_mode == "gru":
+      bias = np.stack([np.concatenate([bW[j] for j in order]),
+                       np.concatenate([bR[j] for j in order])])
+    else:
+      bias = np.concatenate([bW[j] + bR[j] for j in order])
+    out[layer][d] = [kernel, recurrent, bias]
+  return out
+
+
+def from_keras_weights(spec, weights: Sequence[Sequence[Sequence[Any]]]):
+  """An opaque buffer from Keras 3 weights `[layer][direction] = [kernel, recurrent, bias]`."""
+  order = _KERAS_ORDER[spec.rnn_mode]
+  inverse = np.argsort(order)
+  g = spec.num_gates
+  per = {}
+  for layer in range(spec.num_layers):
+    for d in range(spec.num_dirs):
+      kernel, recurrent, bias = (_np(a) for a in weights[layer][d])
+      split = lambda m: [np.split(m, g, axis=-1)[j] for j in inverse]
+      W = [w.T for w in split(kernel)]
+      R = [r.T for r in split(recurrent)]
+      if spec.rnn_mode == "gru":
+        if bias.shape != (2, g * spec.num_units):
+          raise ValueError(f"GRU bias must have shape (2, {g * spec.num_units}) "
+                           f"(Keras GRU(reset_after=True)), got {bias.shape}: a GRU without "
+                           "reset_after computes a different function")
+        bW, bR = split(bias[0]), split(bias[1])
+      else:
+        bW = split(bias)
+        bR = [np.zeros_like(x) for x in bW]
+      if not spec.layer_has_input_weights(layer):
+        _check_skip_identity(spec, W, f"weights[0][{d}] kernel")
+      per[layer, d] = (W, R, bW, bR)
+  return _from_per_direction(spec, per)

@@ -1,0 +1,119 @@
+"""Flax linen adapters: `LSTM`, `GRU`, `SimpleRNN` backed by the fused RNN.
+
+Each module holds its parameters as one opaque buffer named `"params"`
+(shape `(spec.params_size(),)`, dtype `param_dtype`) and runs
+`jax_cudnn_rnn`'s spec on it: cuDNN on a GPU without any flag, the exact
+pure-JAX path elsewhere. `module.spec(input_size)` gives the spec, so the
+buffer can be converted with `spec.params_to_canonical` or saved with
+`jax_cudnn_rnn.checkpoint`.
+
+Conventions follow `flax.linen.RNN`: batch-major by default
+(`time_major=False`), `return_carry=True` returns `(carry, outputs)`. The
+carry is `(h, c)` for the LSTM and `h` otherwise, each
+`[num_layers * num_dirs, batch, features]`. Dropout between layers draws from
+the `"dropout"` rng stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import jax_cudnn_rnn as jcr
+
+Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+
+
+class _FusedRNN(nn.Module):
+  """Shared implementation; use `LSTM`, `GRU` or `SimpleRNN`."""
+
+  features: int
+  num_layers: int = 1
+  bidirectional: bool = False
+  dropout_rate: float = 0.0
+  input_mode: str = "linear_input"
+  time_major: bool = False
+  return_carry: bool = False
+  deterministic: Optional[bool] = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Optional[Initializer] = None
+  bias_init: Optional[Initializer] = None
+  implementation: Optional[str] = None
+
+  spec_class: ClassVar[type] = jcr.CudnnLSTM
+
+  def _spec_class(self):
+    return self.spec_class
+
+  def spec(self, input_size: int, dtype: Any = None) -> jcr.CudnnRNNBase:
+    """The spec of this module for inputs of `input_size` features."""
+    return self._spec_class()(
+        num_layers=self.num_layers, num_units=self.features, input_size=input_size,
+        input_mode=self.input_mode,
+        direction="bidirectional" if self.bidirectional else "unidirectional",
+        dtype=self.param_dtype if dtype is None else dtype, dropout=self.dropout_rate)
+
+  @nn.compact
+  def __call__(self, inputs, initial_carry=None, *, seq_lengths=None, deterministic=None):
+    """Runs the RNN.
+
+    Args:
+      inputs: `[B, T, in]` (`[T, B, in]` when `time_major`).
+      initial_carry: None (zeros), or `(h, c)` for the LSTM / `h` otherwise.
+      seq_lengths: optional `[B]` integer lengths.
+      deterministic: disables dropout; merged with the module attribute.
+
+    Returns:
+      `outputs` `[B, T, num_dirs * features]`, or `(carry, outputs)` when
+      `return_carry`.
+    """
+    deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+    input_size = inputs.shape[-1]
+    param_spec = self.spec(input_size)
+    params = self.param(
+        "params", lambda key: param_spec.init_params(
+            key, weight_initializer=self.kernel_init, bias_initializer=self.bias_init))
+    dtype = self.dtype if self.dtype is not None else jnp.result_type(inputs, params)
+    spec = self.spec(input_size, dtype)
+    inputs = jnp.asarray(inputs, dtype)
+    params = jnp.asarray(params, dtype)
+    if initial_carry is None:
+      h0 = c0 = None
+    elif spec.has_cell_state:
+      h0, c0 = (jnp.asarray(a, dtype) for a in initial_carry)
+    else:
+      h0, c0 = jnp.asarray(initial_carry, dtype), None
+    training = not deterministic and self.dropout_rate > 0 and self.num_layers > 1
+    key = self.make_rng("dropout") if training else None
+    out = spec._run(inputs, h0, c0, params, training, seq_lengths=seq_lengths,
+                    dropout_key=key, time_major=self.time_major,
+                    implementation=self.implementation)
+    outputs, carry = out[0], (tuple(out[1:]) if spec.has_cell_state else out[1])
+    return (carry, outputs) if self.return_carry else outputs
+
+
+class LSTM(_FusedRNN):
+  """Multi-layer, optionally bidirectional LSTM (cuDNN's gates i, f, g, o)."""
+
+  spec_class: ClassVar[type] = jcr.CudnnLSTM
+
+
+class GRU(_FusedRNN):
+  """Multi-layer, optionally bidirectional GRU (cuDNN's: reset applied after `R_n h + bR_n`)."""
+
+  spec_class: ClassVar[type] = jcr.CudnnGRU
+
+
+class SimpleRNN(_FusedRNN):
+  """Multi-layer Elman RNN; `activation` is "tanh" (default) or "relu"."""
+
+  activation: str = "tanh"
+
+  def _spec_class(self):
+    if self.activation not in ("tanh", "relu"):
+      raise ValueError(f"activation must be 'tanh' or 'relu', got {self.activation!r}")
+    return jcr.CudnnRNNTanh if self.activation == "tanh" else jcr.CudnnRNNRelu
