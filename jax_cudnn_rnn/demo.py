@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     others = {"embed": params["embed"], "head": params["head"]}
     with ocp.CheckpointManager(ckpt_dir) as manager:
       manager.save(args.steps, args=ocp.args.Composite(
-          lstm=checkpoint.RNNParamsSave(spec, params["rnn"]["params"]),
+          lstm=checkpoint.RNNParamsSave(spec, params["rnn"]["opaque_params"]),
           others=ocp.args.StandardSave(others)), force=True)
       manager.wait_until_finished()
       restored = manager.restore(args.steps, args=ocp.args.Composite(

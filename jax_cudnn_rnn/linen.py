@@ -1,6 +1,6 @@
 """Flax linen adapters: `LSTM`, `GRU`, `SimpleRNN` backed by the fused RNN.
 
-Each module holds its parameters as one opaque buffer named `"params"`
+Each module holds its parameters as one opaque buffer named `"opaque_params"`
 (shape `(spec.params_size(),)`, dtype `param_dtype`) and runs
 `jax_cudnn_rnn`'s spec on it: cuDNN on a GPU without any flag, the exact
 pure-JAX path elsewhere. `module.spec(input_size)` gives the spec, so the
@@ -65,17 +65,21 @@ class _FusedRNN(nn.Module):
       inputs: `[B, T, in]` (`[T, B, in]` when `time_major`).
       initial_carry: None (zeros), or `(h, c)` for the LSTM / `h` otherwise.
       seq_lengths: optional `[B]` integer lengths.
-      deterministic: disables dropout; merged with the module attribute.
+      deterministic: disables dropout; merged with the module attribute, and
+        required (here or there) only when the module has dropout to apply.
 
     Returns:
       `outputs` `[B, T, num_dirs * features]`, or `(carry, outputs)` when
       `return_carry`.
     """
-    deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+    if self.dropout_rate > 0 and self.num_layers > 1:
+      deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+    else:  # nothing to drop: no need to say
+      deterministic = True
     input_size = inputs.shape[-1]
     param_spec = self.spec(input_size)
     params = self.param(
-        "params", lambda key: param_spec.init_params(
+        "opaque_params", lambda key: param_spec.init_params(
             key, weight_initializer=self.kernel_init, bias_initializer=self.bias_init))
     dtype = self.dtype if self.dtype is not None else jnp.result_type(inputs, params)
     spec = self.spec(input_size, dtype)

@@ -1,0 +1,166 @@
+"""Canonical trees, save/restore, Orbax args, spec checks and damaged checkpoints."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import checkpoint as ck
+from helpers import SPEC_CLASSES
+
+
+def test_canonical_tree_names_and_round_trip():
+  spec = jcr.CudnnLSTM(2, 3, 3, input_mode="skip_input", direction="bidirectional",
+                       dtype=jnp.float64)
+  params = spec.init_params(jax.random.key(0))
+  tree = ck.to_canonical_tree(spec, params)
+  assert sorted(tree) == ["layer_0", "layer_1"]
+  assert sorted(tree["layer_0"]) == ["backward", "forward"]
+  # skip_input: layer 0 has recurrent matrices and both biases, no input matrices.
+  assert sorted(tree["layer_0"]["forward"]) == sorted(
+      [f"R_{g}" for g in "ifgo"] + [f"bW_{g}" for g in "ifgo"] + [f"bR_{g}" for g in "ifgo"])
+  assert tree["layer_1"]["backward"]["W_g"].shape == (3, 6)
+  weights, _ = spec.params_to_canonical(params)
+  # layer 1 forward W_f is the 2nd input matrix of that direction (after 8 + 8 layer-0 R's).
+  np.testing.assert_array_equal(tree["layer_1"]["forward"]["W_f"], weights[9])
+  np.testing.assert_array_equal(ck.from_canonical_tree(spec, tree), params)
+  del tree["layer_1"]["forward"]["bR_o"]
+  with pytest.raises(ck.CheckpointError, match="layer_1/forward/bR_o"):
+    ck.from_canonical_tree(spec, tree)
+
+
+def test_gru_and_rnn_gate_names():
+  assert "W_z" in ck.to_canonical_tree(jcr.CudnnGRU(1, 2, 3), jcr.CudnnGRU(1, 2, 3).init_params(
+      jax.random.key(0)))["layer_0"]["forward"]
+  spec = jcr.CudnnRNNRelu(1, 2, 3)
+  assert sorted(ck.to_canonical_tree(spec, spec.init_params(jax.random.key(0)))["layer_0"]["forward"]) == [
+      "R_h", "W_h", "bR_h", "bW_h"]
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64])
+def test_save_restore_exact(tmp_path, cls, dtype):
+  spec = cls(2, 4, 3, direction="bidirectional", dtype=dtype)
+  params = spec.init_params(jax.random.key(0))
+  ck.save(tmp_path / "ckpt", spec, params)
+  restored = ck.restore(tmp_path / "ckpt", spec)
+  assert restored.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(restored, np.float64), np.asarray(params, np.float64))
+
+
+def test_restore_into_another_dtype_casts(tmp_path):
+  spec = jcr.CudnnGRU(1, 4, 3, dtype=jnp.float64)
+  params = spec.init_params(jax.random.key(0))
+  ck.save(tmp_path / "c", spec, params)
+  spec32 = jcr.CudnnGRU(1, 4, 3, dtype=jnp.float32)
+  restored = ck.restore(tmp_path / "c", spec32)
+  assert restored.dtype == jnp.float32
+  np.testing.assert_allclose(restored, params.astype(jnp.float32))
+  as_bf16 = ck.restore(tmp_path / "c", spec, dtype=jnp.bfloat16)
+  assert as_bf16.dtype == jnp.bfloat16
+
+
+def test_restore_into_different_spec_names_each_field(tmp_path):
+  spec = jcr.CudnnLSTM(2, 4, 3)
+  ck.save(tmp_path / "c", spec, spec.init_params(jax.random.key(0)))
+  with pytest.raises(ck.CheckpointError) as info:
+    ck.restore(tmp_path / "c", jcr.CudnnGRU(3, 4, 3, direction="bidirectional"))
+  message = str(info.value)
+  for field in ("class", "num_layers", "direction"):
+    assert field in message
+  assert "num_units" not in message
+
+
+def test_overwrite_keeps_good_checkpoint_on_failure(tmp_path):
+  spec = jcr.CudnnRNNTanh(1, 4, 3)
+  params = spec.init_params(jax.random.key(0))
+  ck.save(tmp_path / "c", spec, params)
+  with pytest.raises(ValueError):
+    ck.save(tmp_path / "c", spec, params[:-1])  # bad params: nothing written
+  np.testing.assert_array_equal(ck.restore(tmp_path / "c", spec), params)
+  ck.save(tmp_path / "c", spec, params * 2)  # a good overwrite replaces it
+  np.testing.assert_array_equal(ck.restore(tmp_path / "c", spec), params * 2)
+  assert sorted(os.listdir(tmp_path)) == ["c"]  # no staging left behind
+
+
+def _damage(path, how):
+  arrays = path / ck.ARRAYS_FILE
+  if how == "missing_arrays":
+    arrays.unlink()
+  elif how == "missing_spec":
+    (path / ck.SPEC_FILE).unlink()
+  elif how == "truncated":
+    data = arrays.read_bytes()
+    arrays.write_bytes(data[:len(data) // 2])
+  elif how == "bad_json":
+    (path / ck.SPEC_FILE).write_text("{not json")
+  elif how == "wrong_shape":
+    with np.load(arrays) as d:
+      content = dict(d)
+    content["layer_0/forward/R_i"] = np.zeros((4, 5), np.float32)
+    with open(arrays, "wb") as f:
+      np.savez(f, **content)
+  elif how == "missing_array":
+    with np.load(arrays) as d:
+      content = dict(d)
+    del content["layer_0/forward/bW_g"]
+    with open(arrays, "wb") as f:
+      np.savez(f, **content)
+  elif how == "version":
+    record = json.loads((path / ck.SPEC_FILE).read_text())
+    record["version"] = 99
+    (path / ck.SPEC_FILE).write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("how,message", [
+    ("missing_arrays", "is missing"), ("missing_spec", "is missing"), ("truncated", "damaged"),
+    ("bad_json", "damaged"), ("wrong_shape", r"R_i has shape \(4, 5\), expected \(4, 4\)"),
+    ("missing_array", "has no array layer_0/forward/bW_g"), ("version", "format version 99")])
+def test_damaged_checkpoints_raise(tmp_path, how, message):
+  spec = jcr.CudnnLSTM(1, 4, 3)
+  ck.save(tmp_path / "c", spec, spec.init_params(jax.random.key(0)))
+  _damage(tmp_path / "c", how)
+  with pytest.raises(ck.CheckpointError, match=message):
+    ck.restore(tmp_path / "c", spec)
+
+
+def test_missing_directory(tmp_path):
+  with pytest.raises(ck.CheckpointError, match="does not exist"):
+    ck.restore(tmp_path / "nope", jcr.CudnnLSTM(1, 4, 3))
+
+
+def test_composite_with_checkpoint_manager_several_rnns(tmp_path):
+  encoder = jcr.CudnnLSTM(2, 4, 3, direction="bidirectional")
+  decoder = jcr.CudnnGRU(1, 5, 8, dtype=jnp.float64)
+  pe, pd = encoder.init_params(jax.random.key(0)), decoder.init_params(jax.random.key(1))
+  other = {"w": jnp.arange(3.0)}
+  with ocp.CheckpointManager(tmp_path) as manager:
+    for step, scale in ((1, 1.0), (2, 2.0)):
+      manager.save(step, args=ocp.args.Composite(
+          encoder=ck.RNNParamsSave(encoder, pe * scale), decoder=ck.RNNParamsSave(decoder, pd),
+          other=ocp.args.StandardSave(other)))
+    manager.wait_until_finished()
+    out = manager.restore(2, args=ocp.args.Composite(
+        encoder=ck.RNNParamsRestore(encoder), decoder=ck.RNNParamsRestore(decoder),
+        other=ocp.args.StandardRestore(other)))
+  np.testing.assert_array_equal(out.encoder, pe * 2)
+  np.testing.assert_array_equal(out.decoder, pd)
+  np.testing.assert_array_equal(out.other["w"], other["w"])
+
+
+def test_checkpoint_restores_on_another_backend_layout(tmp_path):
+  # The stored arrays are the canonical ones, independent of the opaque layout:
+  # a checkpoint is plain named arrays plus the spec.
+  spec = jcr.CudnnGRU(1, 2, 3)
+  params = spec.init_params(jax.random.key(0))
+  ck.save(tmp_path / "c", spec, params)
+  record = json.loads((tmp_path / "c" / ck.SPEC_FILE).read_text())
+  assert record["spec"]["class"] == "CudnnGRU" and record["version"] == 1
+  with np.load(tmp_path / "c" / ck.ARRAYS_FILE) as data:
+    weights, _ = spec.params_to_canonical(params)
+    np.testing.assert_array_equal(data["layer_0/forward/W_r"], weights[0])

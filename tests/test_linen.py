@@ -1,0 +1,118 @@
+"""Flax linen adapters: equal to the functional API, to Flax cells, and trainable."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import flax.linen as nn
+
+import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import interop, linen
+
+
+@pytest.mark.parametrize("module,cls", [
+    (linen.LSTM, jcr.CudnnLSTM), (linen.GRU, jcr.CudnnGRU),
+    (lambda **k: linen.SimpleRNN(activation="relu", **k), jcr.CudnnRNNRelu)])
+def test_module_equals_functional_api(module, cls):
+  m = module(features=6, num_layers=2, bidirectional=True, return_carry=True,
+             param_dtype=jnp.float64)
+  x = jax.random.normal(jax.random.key(0), (3, 5, 4), jnp.float64)  # batch major
+  variables = m.init(jax.random.key(1), x)
+  buffer = variables["params"]["opaque_params"]
+  spec = cls(2, 6, 4, direction="bidirectional", dtype=jnp.float64)
+  assert buffer.shape == (spec.params_size(),)
+  carry, y = m.apply(variables, x, seq_lengths=jnp.array([5, 2, 3]))
+  ref = spec._run(x, None, None, buffer, False, seq_lengths=jnp.array([5, 2, 3]),
+                  time_major=False)
+  np.testing.assert_allclose(y, ref[0], rtol=1e-12)
+  h = carry[0] if spec.has_cell_state else carry
+  np.testing.assert_allclose(h, ref[1], rtol=1e-12)
+  # The carry feeds back in.
+  y2 = m.apply(variables, x, carry)[1]
+  ref2 = spec._run(x, *(carry if spec.has_cell_state else (carry, None)), buffer, False,
+                   time_major=False)
+  np.testing.assert_allclose(y2, ref2[0], rtol=1e-12)
+
+
+def test_lstm_equals_flax_cells():
+  m = linen.LSTM(features=5, num_layers=2, param_dtype=jnp.float64)
+  x = jax.random.normal(jax.random.key(0), (2, 7, 3), jnp.float64)
+  variables = m.init(jax.random.key(1), x)
+  spec = m.spec(3)
+  cells = interop.to_flax_linen_cells(spec, variables["params"]["opaque_params"])
+  h = x
+  for layer in range(2):
+    h = nn.RNN(nn.OptimizedLSTMCell(5, param_dtype=jnp.float64)).apply(
+        {"params": {"cell": cells[layer][0]}}, h)
+  np.testing.assert_allclose(m.apply(variables, x), h, rtol=1e-10, atol=1e-12)
+
+
+def test_time_major_and_dtype():
+  m = linen.GRU(features=4, time_major=True, dtype=jnp.bfloat16)
+  x = jnp.ones((6, 2, 3), jnp.float32)
+  variables = m.init(jax.random.key(0), x)
+  assert variables["params"]["opaque_params"].dtype == jnp.float32
+  y = m.apply(variables, x)
+  assert y.shape == (6, 2, 4) and y.dtype == jnp.bfloat16
+
+
+def test_dropout_uses_rng_stream_and_deterministic_flag():
+  m = linen.LSTM(features=8, num_layers=3, dropout_rate=0.5)
+  x = jax.random.normal(jax.random.key(0), (2, 5, 3))
+  variables = m.init(jax.random.key(1), x, deterministic=True)
+  a = m.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
+  b = m.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
+  c = m.apply(variables, x, deterministic=True)
+  d = m.apply(variables, x, deterministic=True)
+  assert not np.allclose(a, b)
+  np.testing.assert_array_equal(c, d)
+  with pytest.raises(Exception):
+    m.apply(variables, x)  # deterministic must be given somewhere
+
+
+def test_training_steps_lower_the_loss():
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(1)(linen.LSTM(16, num_layers=2)(x)[:, -1])
+
+  # Task: predict the sum of a short random sequence.
+  x = jax.random.normal(jax.random.key(0), (64, 8, 1))
+  y = x.sum(axis=(1, 2))[:, None]
+  model = Model()
+  params = model.init(jax.random.key(1), x)
+  opt = optax.adam(1e-2)
+  state = opt.init(params)
+
+  @jax.jit
+  def step(params, state):
+    loss, g = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
+    updates, state = opt.update(g, state)
+    return optax.apply_updates(params, updates), state, loss
+
+  losses = []
+  for _ in range(60):
+    params, state, loss = step(params, state)
+    losses.append(float(loss))
+  assert losses[-1] < 0.3 * losses[0], losses[::10]
+
+
+def test_orbax_checkpoint_of_train_state(tmp_path):
+  import orbax.checkpoint as ocp
+  m = linen.GRU(features=4, num_layers=2)
+  x = jnp.ones((2, 3, 5))
+  params = m.init(jax.random.key(0), x)
+  opt = optax.adam(1e-3)
+  state = {"params": params, "opt": opt.init(params), "step": 3}
+  with ocp.CheckpointManager(tmp_path) as manager:
+    manager.save(3, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+    restored = manager.restore(3, args=ocp.args.StandardRestore(state))
+  np.testing.assert_array_equal(restored["params"]["params"]["opaque_params"], params["params"]["opaque_params"])
+  np.testing.assert_array_equal(m.apply(restored["params"], x), m.apply(params, x))
+
+
+def test_bad_activation():
+  with pytest.raises(ValueError, match="activation must be"):
+    linen.SimpleRNN(4, activation="gelu").init(jax.random.key(0), jnp.ones((1, 2, 3)))
