@@ -127,9 +127,11 @@ def main(argv=None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--quick", action="store_true", help="a few tiny steps (for tests)")
   args = parser.parse_args(argv)
-  if args.quick:
-    args.steps, args.batch, args.seq_len, args.hidden = 8, 8, 32, 32
-    args.data_bytes, args.sample_len = 200_000, 40
+  if args.quick:  # small settings, except those given explicitly
+    quick = dict(steps=8, batch=8, seq_len=32, hidden=32, data_bytes=200_000, sample_len=40)
+    for name, value in quick.items():
+      if getattr(args, name) == parser.get_default(name):
+        setattr(args, name, value)
 
   device = jax.devices()[0]
   print(f"jax {jax.__version__} on {device.platform} ({device.device_kind})")

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import _adapter
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 
@@ -44,18 +45,17 @@ class _FusedRNN(nn.Module):
   bias_init: Optional[Initializer] = None
   implementation: Optional[str] = None
 
-  spec_class: ClassVar[type] = jcr.CudnnLSTM
+  rnn_mode: ClassVar[str] = "lstm"
 
-  def _spec_class(self):
-    return self.spec_class
+  def _rnn_mode(self) -> str:
+    return self.rnn_mode
 
   def spec(self, input_size: int, dtype: Any = None) -> jcr.CudnnRNNBase:
     """The spec of this module for inputs of `input_size` features."""
-    return self._spec_class()(
-        num_layers=self.num_layers, num_units=self.features, input_size=input_size,
-        input_mode=self.input_mode,
-        direction="bidirectional" if self.bidirectional else "unidirectional",
-        dtype=self.param_dtype if dtype is None else dtype, dropout=self.dropout_rate)
+    return _adapter.make_spec(
+        self._rnn_mode(), features=self.features, num_layers=self.num_layers,
+        input_size=input_size, input_mode=self.input_mode, bidirectional=self.bidirectional,
+        dtype=self.param_dtype if dtype is None else dtype, dropout_rate=self.dropout_rate)
 
   @nn.compact
   def __call__(self, inputs, initial_carry=None, *, seq_lengths=None, deterministic=None):
@@ -82,34 +82,23 @@ class _FusedRNN(nn.Module):
         "opaque_params", lambda key: param_spec.init_params(
             key, weight_initializer=self.kernel_init, bias_initializer=self.bias_init))
     dtype = self.dtype if self.dtype is not None else jnp.result_type(inputs, params)
-    spec = self.spec(input_size, dtype)
-    inputs = jnp.asarray(inputs, dtype)
-    params = jnp.asarray(params, dtype)
-    if initial_carry is None:
-      h0 = c0 = None
-    elif spec.has_cell_state:
-      h0, c0 = (jnp.asarray(a, dtype) for a in initial_carry)
-    else:
-      h0, c0 = jnp.asarray(initial_carry, dtype), None
-    training = not deterministic and self.dropout_rate > 0 and self.num_layers > 1
-    key = self.make_rng("dropout") if training else None
-    out = spec._run(inputs, h0, c0, params, training, seq_lengths=seq_lengths,
-                    dropout_key=key, time_major=self.time_major,
-                    implementation=self.implementation)
-    outputs, carry = out[0], (tuple(out[1:]) if spec.has_cell_state else out[1])
-    return (carry, outputs) if self.return_carry else outputs
+    key = None if deterministic else self.make_rng("dropout")
+    return _adapter.run(self.spec(input_size, dtype), params, inputs, initial_carry,
+                        seq_lengths=seq_lengths, dropout_key=key, training=not deterministic,
+                        time_major=self.time_major, implementation=self.implementation,
+                        return_carry=self.return_carry)
 
 
 class LSTM(_FusedRNN):
   """Multi-layer, optionally bidirectional LSTM (cuDNN's gates i, f, g, o)."""
 
-  spec_class: ClassVar[type] = jcr.CudnnLSTM
+  rnn_mode: ClassVar[str] = "lstm"
 
 
 class GRU(_FusedRNN):
   """Multi-layer, optionally bidirectional GRU (cuDNN's: reset applied after `R_n h + bR_n`)."""
 
-  spec_class: ClassVar[type] = jcr.CudnnGRU
+  rnn_mode: ClassVar[str] = "gru"
 
 
 class SimpleRNN(_FusedRNN):
@@ -117,7 +106,5 @@ class SimpleRNN(_FusedRNN):
 
   activation: str = "tanh"
 
-  def _spec_class(self):
-    if self.activation not in ("tanh", "relu"):
-      raise ValueError(f"activation must be 'tanh' or 'relu', got {self.activation!r}")
-    return jcr.CudnnRNNTanh if self.activation == "tanh" else jcr.CudnnRNNRelu
+  def _rnn_mode(self) -> str:
+    return _adapter.simple_rnn_mode(self.activation)

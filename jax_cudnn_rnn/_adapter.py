@@ -1,0 +1,48 @@
+"""What the Flax linen and nnx adapters share: building the spec and running it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+import jax_cudnn_rnn as jcr
+
+MODE_CLASSES = {"lstm": jcr.CudnnLSTM, "gru": jcr.CudnnGRU, "rnn_tanh": jcr.CudnnRNNTanh,
+                "rnn_relu": jcr.CudnnRNNRelu}
+
+
+def simple_rnn_mode(activation: str) -> str:
+  if activation not in ("tanh", "relu"):
+    raise ValueError(f"activation must be 'tanh' or 'relu', got {activation!r}")
+  return f"rnn_{activation}"
+
+
+def make_spec(rnn_mode: str, *, features: int, num_layers: int, input_size: int,
+              input_mode: str, bidirectional: bool, dtype: Any, dropout_rate: float):
+  return MODE_CLASSES[rnn_mode](
+      num_layers=num_layers, num_units=features, input_size=input_size, input_mode=input_mode,
+      direction="bidirectional" if bidirectional else "unidirectional", dtype=dtype,
+      dropout=dropout_rate)
+
+
+def run(spec, params, inputs, initial_carry, *, seq_lengths, dropout_key, training: bool,
+        time_major: bool, implementation, return_carry: bool):
+  """Runs `spec` (whose dtype is the compute dtype) on module-style arguments.
+
+  `initial_carry` is None, `(h, c)` for the LSTM or `h` otherwise; returns
+  `outputs`, or `(carry, outputs)` when `return_carry`.
+  """
+  dtype = spec.dtype
+  inputs = jnp.asarray(inputs, dtype)
+  params = jnp.asarray(params, dtype)
+  if initial_carry is None:
+    h0 = c0 = None
+  elif spec.has_cell_state:
+    h0, c0 = (jnp.asarray(a, dtype) for a in initial_carry)
+  else:
+    h0, c0 = jnp.asarray(initial_carry, dtype), None
+  out = spec._run(inputs, h0, c0, params, training, seq_lengths=seq_lengths,
+                  dropout_key=dropout_key, time_major=time_major, implementation=implementation)
+  outputs, carry = out[0], (tuple(out[1:]) if spec.has_cell_state else out[1])
+  return (carry, outputs) if return_carry else outputs

@@ -1,0 +1,91 @@
+"""Flax nnx adapters: `LSTM`, `GRU`, `SimpleRNN` backed by the fused RNN.
+
+The nnx twins of `jax_cudnn_rnn.linen`: the parameters are one opaque buffer,
+`module.opaque_params` (an `nnx.Param` of shape `(module.spec.params_size(),)`
+and dtype `param_dtype`); `module.spec` is the spec (for conversions and
+checkpoints). Dropout between layers draws from the `dropout` stream of the
+`rngs` given at construction (or at call time), and is off when
+`deterministic` is True (set by `module.eval()` or `nnx.view`).
+Batch-major by default; `return_carry=True` returns `(carry, outputs)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_cudnn_rnn import _adapter
+
+Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+
+
+class _FusedRNN(nnx.Module):
+  """Shared implementation; use `LSTM`, `GRU` or `SimpleRNN`."""
+
+  rnn_mode = "lstm"
+
+  def __init__(self, in_features: int, features: int, *, num_layers: int = 1,
+               bidirectional: bool = False, dropout_rate: float = 0.0,
+               input_mode: str = "linear_input", time_major: bool = False,
+               return_carry: bool = False, deterministic: bool = False, dtype: Any = None,
+               param_dtype: Any = jnp.float32, kernel_init: Optional[Initializer] = None,
+               bias_init: Optional[Initializer] = None, implementation: Optional[str] = None,
+               rngs: nnx.Rngs):
+    self.spec = _adapter.make_spec(
+        self._rnn_mode(), features=features, num_layers=num_layers, input_size=in_features,
+        input_mode=input_mode, bidirectional=bidirectional, dtype=param_dtype,
+        dropout_rate=dropout_rate)
+    self.opaque_params = nnx.Param(self.spec.init_params(
+        rngs.params(), weight_initializer=kernel_init, bias_initializer=bias_init))
+    self.time_major, self.return_carry = time_major, return_carry
+    self.deterministic, self.dtype, self.implementation = deterministic, dtype, implementation
+    self.rngs = rngs["dropout"].fork() if "dropout" in rngs else nnx.data(None)
+
+  def _rnn_mode(self) -> str:
+    return self.rnn_mode
+
+  def __call__(self, inputs, initial_carry=None, *, seq_lengths=None,
+               deterministic: Optional[bool] = None, rngs: Optional[nnx.Rngs] = None):
+    """Runs the RNN; arguments and results as `jax_cudnn_rnn.linen`'s modules."""
+    deterministic = self.deterministic if deterministic is None else deterministic
+    params = self.opaque_params[...]
+    dtype = self.dtype if self.dtype is not None else jnp.result_type(inputs, params)
+    training = not deterministic and self.spec.dropout > 0 and self.spec.num_layers > 1
+    key = None
+    if training:
+      stream = rngs["dropout"] if rngs is not None else self.rngs
+      if stream is None:
+        raise ValueError("dropout needs rngs with a 'dropout' stream, at construction or call "
+                         "time, or deterministic=True")
+      key = stream()
+    return _adapter.run(dataclasses.replace(self.spec, dtype=dtype), params, inputs,
+                        initial_carry, seq_lengths=seq_lengths, dropout_key=key,
+                        training=training, time_major=self.time_major,
+                        implementation=self.implementation, return_carry=self.return_carry)
+
+
+class LSTM(_FusedRNN):
+  """Multi-layer, optionally bidirectional LSTM (cuDNN's gates i, f, g, o)."""
+
+  rnn_mode = "lstm"
+
+
+class GRU(_FusedRNN):
+  """Multi-layer, optionally bidirectional GRU."""
+
+  rnn_mode = "gru"
+
+
+class SimpleRNN(_FusedRNN):
+  """Multi-layer Elman RNN; `activation` is "tanh" (default) or "relu"."""
+
+  def __init__(self, in_features: int, features: int, *, activation: str = "tanh", **kwargs):
+    self.activation = activation
+    super().__init__(in_features, features, **kwargs)
+
+  def _rnn_mode(self) -> str:
+    return _adapter.simple_rnn_mode(self.activation)

@@ -1,0 +1,22 @@
+"""The main job runs end to end in its short mode, and its loss falls."""
+
+import re
+
+from jax_cudnn_rnn import demo
+
+
+def test_demo_quick_mode(capsys, tmp_path):
+  assert demo.main(["--quick", "--steps", "20", "--checkpoint-dir", str(tmp_path / "ckpt")]) == 0
+  out = capsys.readouterr().out
+  before = float(re.search(r"validation loss before training: ([\d.]+)", out).group(1))
+  after = float(re.search(r"validation loss after 20 steps: ([\d.]+)", out).group(1))
+  assert after < before - 0.5, out
+  assert "same predictions: True" in out
+  assert (tmp_path / "ckpt").exists()
+  assert "sample:" in out
+
+
+def test_corpus_is_real_text():
+  corpus = demo.load_corpus(50_000)
+  assert corpus.size == 50_000
+  assert b"def " in corpus.tobytes() and b"import" in corpus.tobytes()

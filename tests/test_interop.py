@@ -1,0 +1,146 @@
+"""Converters: round trips, and outputs equal to PyTorch modules, Keras layers, Flax cells."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import interop
+from helpers import SPEC_CLASSES, call, random_inputs
+
+CONFIGS = [(cls, d, m) for cls in SPEC_CLASSES for d in ("unidirectional", "bidirectional")
+           for m in ("linear_input", "skip_input")]
+
+
+def _spec(cls, direction, mode, layers=2):
+  return cls(layers, 4, 4 if mode == "skip_input" else 3, input_mode=mode, direction=direction,
+             dtype=jnp.float64)
+
+
+@pytest.mark.parametrize("cls,direction,mode", CONFIGS)
+def test_torch_state_dict_round_trip(cls, direction, mode):
+  spec = _spec(cls, direction, mode)
+  params = spec.init_params(jax.random.key(0))
+  sd = interop.to_torch_state_dict(spec, params)
+  g = spec.num_gates
+  assert sd["weight_hh_l1"].shape == (g * 4, 4)
+  assert sd["weight_ih_l1"].shape == (g * 4, 4 * spec.num_dirs)
+  np.testing.assert_array_equal(interop.from_torch_state_dict(spec, sd), params)
+
+
+def test_torch_refusals():
+  spec = jcr.CudnnLSTM(1, 4, 4, input_mode="skip_input")
+  sd = interop.to_torch_state_dict(spec, spec.init_params(jax.random.key(0)))
+  sd["weight_ih_l0"] = sd["weight_ih_l0"] + 1
+  with pytest.raises(ValueError, match="skip_input"):
+    interop.from_torch_state_dict(spec, sd)
+  with pytest.raises(ValueError, match="no weight_hh_l0"):
+    interop.from_torch_state_dict(spec, {"weight_ih_l0": sd["weight_ih_l0"]})
+  good = interop.to_torch_state_dict(spec, spec.init_params(jax.random.key(0)))
+  with pytest.raises(ValueError, match="weight_hr_l0"):
+    interop.from_torch_state_dict(spec, good | {"weight_hr_l0": np.zeros((4, 4))})
+
+
+@pytest.mark.parametrize("cls,direction", [(c, d) for c in SPEC_CLASSES
+                                           for d in ("unidirectional", "bidirectional")])
+def test_outputs_equal_torch_module(cls, direction):
+  torch = pytest.importorskip("torch")
+  spec = cls(2, 5, 3, direction=direction, dtype=jnp.float64)
+  params = spec.init_params(jax.random.key(0))
+  kwargs = dict(input_size=3, hidden_size=5, num_layers=2, bidirectional=direction == "bidirectional",
+                dtype=torch.float64)
+  module = {"lstm": lambda: torch.nn.LSTM(**kwargs), "gru": lambda: torch.nn.GRU(**kwargs),
+            "rnn_tanh": lambda: torch.nn.RNN(nonlinearity="tanh", **kwargs),
+            "rnn_relu": lambda: torch.nn.RNN(nonlinearity="relu", **kwargs)}[spec.rnn_mode]()
+  module.load_state_dict(interop.to_torch_state_dict(spec, params, as_tensors=True))
+  x, h, c = random_inputs(spec, 6, 2)
+  with torch.no_grad():
+    state = (torch.from_numpy(h), torch.from_numpy(c)) if c is not None else torch.from_numpy(h)
+    ty, tstate = module(torch.from_numpy(x), state)
+  y, hn, cn = call(spec, x, h, c, params, is_training=False)
+  np.testing.assert_allclose(y, ty.numpy(), rtol=1e-10, atol=1e-12)
+  th = tstate[0] if c is not None else tstate
+  np.testing.assert_allclose(hn, th.numpy(), rtol=1e-10, atol=1e-12)
+  if c is not None:
+    np.testing.assert_allclose(cn, tstate[1].numpy(), rtol=1e-10, atol=1e-12)
+  # And back from the module's own state dict.
+  np.testing.assert_array_equal(interop.from_torch_state_dict(spec, module.state_dict()), params)
+
+
+@pytest.mark.parametrize("cls,direction,mode", CONFIGS)
+def test_flax_cells_round_trip_is_the_same_function(cls, direction, mode):
+  spec = _spec(cls, direction, mode)
+  params = spec.init_params(jax.random.key(0))
+  back = interop.from_flax_linen_cells(spec, interop.to_flax_linen_cells(spec, params))
+  x, h, c = random_inputs(spec, 5, 2)
+  a = call(spec, x, h, c, params)
+  b = call(spec, x, h, c, back)
+  for u, v in zip(a, b):
+    if u is not None:
+      np.testing.assert_allclose(u, v, rtol=1e-12, atol=1e-12)
+  # Matrices are carried exactly; only the bias split is normalised.
+  for w1, w2 in zip(spec.params_to_canonical(params)[0], spec.params_to_canonical(back)[0]):
+    np.testing.assert_array_equal(w1, w2)
+
+
+def test_flax_cells_refuse_wrong_cell():
+  spec = jcr.CudnnGRU(1, 4, 3)
+  cells = interop.to_flax_linen_cells(jcr.CudnnLSTM(1, 4, 3), jcr.CudnnLSTM(1, 4, 3).init_params(
+      jax.random.key(0)))
+  with pytest.raises(ValueError, match="not a Flax cell of gru"):
+    interop.from_flax_linen_cells(spec, cells)
+  with pytest.raises(ValueError, match="cell must be"):
+    interop.flax_linen_cell(jcr.CudnnLSTM(1, 4, 3), "GRUCell")
+
+
+def _keras():
+  os.environ.setdefault("KERAS_BACKEND", "jax")
+  return pytest.importorskip("keras")
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_outputs_equal_keras_layer(cls):
+  keras = _keras()
+  spec = cls(1, 5, 3, dtype=jnp.float32)
+  params = spec.init_params(jax.random.key(0))
+  layer = {"lstm": lambda: keras.layers.LSTM(5, return_sequences=True, return_state=True),
+           "gru": lambda: keras.layers.GRU(5, reset_after=True, return_sequences=True, return_state=True),
+           "rnn_tanh": lambda: keras.layers.SimpleRNN(5, return_sequences=True, return_state=True),
+           "rnn_relu": lambda: keras.layers.SimpleRNN(5, activation="relu", return_sequences=True,
+                                                      return_state=True)}[spec.rnn_mode]()
+  x, h, c = random_inputs(spec, 6, 2)
+  xb = np.swapaxes(x, 0, 1)
+  layer.build(xb.shape)
+  layer.set_weights(interop.to_keras_weights(spec, params)[0][0])
+  init = [h[0], c[0]] if c is not None else [h[0]]
+  outs = layer(xb, initial_state=init)
+  y, hn, cn = call(spec, xb, h, c, params, time_major=False)
+  np.testing.assert_allclose(y, np.asarray(outs[0]), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(hn[0], np.asarray(outs[1]), rtol=1e-4, atol=1e-5)
+  if c is not None:
+    np.testing.assert_allclose(cn[0], np.asarray(outs[2]), rtol=1e-4, atol=1e-5)
+  back = interop.from_keras_weights(spec, [[layer.get_weights()]])
+  np.testing.assert_allclose(call(spec, xb, h, c, back, time_major=False)[0], y, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls,direction,mode", CONFIGS)
+def test_keras_weights_round_trip(cls, direction, mode):
+  spec = _spec(cls, direction, mode)
+  params = spec.init_params(jax.random.key(0))
+  back = interop.from_keras_weights(spec, interop.to_keras_weights(spec, params))
+  x, h, c = random_inputs(spec, 4, 2)
+  for u, v in zip(call(spec, x, h, c, params), call(spec, x, h, c, back)):
+    if u is not None:
+      np.testing.assert_allclose(u, v, rtol=1e-12, atol=1e-12)
+  if spec.rnn_mode == "gru":  # GRU keeps both biases: exact
+    np.testing.assert_array_equal(back, params)
+
+
+def test_keras_gru_without_reset_after_is_refused():
+  spec = jcr.CudnnGRU(1, 4, 3)
+  kernel, recurrent, bias = interop.to_keras_weights(spec, spec.init_params(jax.random.key(0)))[0][0]
+  with pytest.raises(ValueError, match="reset_after"):
+    interop.from_keras_weights(spec, [[[kernel, recurrent, bias[0]]]])
