@@ -1,0 +1,351 @@
+"""Side-by-side RNN benchmarks: ours ("xla", "cudnn") against the peers, in one process.
+
+    python benchmarks/run.py --quick          # a few minutes on a 2-core CPU
+    python benchmarks/run.py                  # the full grid
+    python benchmarks/run.py --out-dir benchmarks/results
+
+Peers, each run on the same inputs and shapes:
+- `flax`: `flax.linen.RNN` over `OptimizedLSTMCell` / `GRUCell`, layers stacked,
+  `nn.Bidirectional` for two directions (the `lax.scan` RNN users have today);
+- `jax.experimental.rnn`: its cuDNN LSTM (GPU, float32 only);
+- `torch`: `torch.nn.LSTM` / `nn.GRU` (CPU; cuDNN on a GPU), when installed.
+Forward ("fwd", inference) and forward+backward ("fwd+bwd", gradient of a sum
+with respect to the input and all weights). Each figure is the median of
+`--repeats` timings (after warm-up and compilation) and the spread
+(interquartile range); on a GPU the peak device memory too.
+
+Writes `<out-dir>/<machine>-<date>.json` (every figure, versions, device),
+`<machine>-<date>.md` (ratios of each peer's time to ours: > 1 means we are
+faster) and `<machine>-<date>.png` (when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import _cudnn
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  mode: str  # "lstm" | "gru"
+  batch: int
+  seq_len: int
+  input_size: int
+  hidden: int
+  layers: int
+  bidirectional: bool
+  dtype: str
+
+  @property
+  def name(self) -> str:
+    d = "bi" if self.bidirectional else "uni"
+    return (f"{self.mode} B{self.batch} T{self.seq_len} I{self.input_size} H{self.hidden} "
+            f"L{self.layers} {d} {self.dtype}")
+
+  def spec(self):
+    cls = jcr.CudnnLSTM if self.mode == "lstm" else jcr.CudnnGRU
+    return cls(self.layers, self.hidden, self.input_size,
+               direction="bidirectional" if self.bidirectional else "unidirectional",
+               dtype=jnp.dtype(self.dtype))
+
+
+def grid(quick: bool, gpu: bool) -> list[Shape]:
+  shapes = []
+  if quick:
+    for mode in ("lstm", "gru"):
+      shapes += [Shape(mode, 16, 50, 64, 128, 1, False, "float32"),
+                 Shape(mode, 64, 100, 128, 256, 2, True, "float32")]
+    shapes += [Shape("lstm", 16, 50, 64, 128, 1, False, "bfloat16")]
+    return shapes
+  big = 4 if gpu else 1
+  for mode in ("lstm", "gru"):
+    for dtype in ("float32", "bfloat16"):
+      shapes += [
+          Shape(mode, 8, 32, 64, 128, 1, False, dtype),             # small batch, short
+          Shape(mode, 64 * big, 32, 128, 256, 1, False, dtype),     # large batch, short
+          Shape(mode, 16, 256, 128, 256, 1, False, dtype),          # long sequence
+          Shape(mode, 32 * big, 100, 256, 256 * big, 2, True, dtype),  # deep, bidirectional
+          Shape(mode, 32 * big, 100, 256, 256 * big, 3, False, dtype),
+      ]
+  return shapes
+
+
+# -- timing ---------------------------------------------------------------------------
+
+
+def _time(fn, repeats: int, warmup: int) -> dict:
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  q1, median, q3 = np.percentile(times, [25, 50, 75])
+  return {"median_s": float(median), "iqr_s": float(q3 - q1), "repeats": repeats}
+
+
+def _jax_peak_bytes():
+  try:
+    return jax.devices()[0].memory_stats().get("peak_bytes_in_use")
+  except Exception:  # backends without memory stats (CPU)
+    return None
+
+
+# -- the contenders ------------------------------------------------------------------
+
+
+def ours(shape: Shape, implementation: str):
+  spec = shape.spec()
+  params = spec.init_params(jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (shape.batch, shape.seq_len, shape.input_size),
+                        jnp.dtype(shape.dtype))
+
+  def run(x, p):
+    return spec._run(x, None, None, p, False, time_major=False, implementation=implementation)[0]
+
+  fwd = jax.jit(run)
+  grad = jax.jit(jax.grad(lambda x, p: jnp.sum(run(x, p).astype(jnp.float32)), argnums=(0, 1)))
+  return (lambda: fwd(x, params).block_until_ready(),
+          lambda: jax.block_until_ready(grad(x, params)))
+
+
+def flax_scan(shape: Shape):
+  import flax.linen as nn
+  dtype = jnp.dtype(shape.dtype)
+
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(shape.layers):
+        cell = (lambda: nn.OptimizedLSTMCell(shape.hidden, dtype=dtype, param_dtype=dtype)) \
+            if shape.mode == "lstm" else (lambda: nn.GRUCell(shape.hidden, dtype=dtype,
+                                                              param_dtype=dtype))
+        if shape.bidirectional:
+          x = nn.Bidirectional(nn.RNN(cell()), nn.RNN(cell()))(x)
+        else:
+          x = nn.RNN(cell())(x)
+      return x
+
+  model = Stack()
+  x = jax.random.normal(jax.random.key(1), (shape.batch, shape.seq_len, shape.input_size), dtype)
+  params = model.init(jax.random.key(0), x)
+  fwd = jax.jit(model.apply)
+  grad = jax.jit(jax.grad(lambda p, x: jnp.sum(model.apply(p, x).astype(jnp.float32)),
+                          argnums=(0, 1)))
+  return (lambda: fwd(params, x).block_until_ready(),
+          lambda: jax.block_until_ready(grad(params, x)))
+
+
+def jax_experimental(shape: Shape):
+  from jax.experimental import rnn
+  if shape.mode != "lstm" or shape.dtype != "float32":
+    return None
+  D = 2 if shape.bidirectional else 1
+  w = rnn.init_lstm_weight(jax.random.key(0), shape.input_size, shape.hidden, shape.layers,
+                           shape.bidirectional)
+  x = jax.random.normal(jax.random.key(1), (shape.batch, shape.seq_len, shape.input_size))
+  h0 = jnp.zeros((shape.layers * D, shape.batch, shape.hidden))
+  lengths = jnp.full((shape.batch,), shape.seq_len, jnp.int32)
+
+  def run(x, w):
+    return rnn.lstm(x, h0, h0, w, lengths, input_size=shape.input_size, hidden_size=shape.hidden,
+                    num_layers=shape.layers, dropout=0.0, bidirectional=shape.bidirectional)[0]
+
+  fwd = jax.jit(run)
+  grad = jax.jit(jax.grad(lambda x, w: jnp.sum(run(x, w)), argnums=(0, 1)))
+  return (lambda: fwd(x, w).block_until_ready(), lambda: jax.block_until_ready(grad(x, w)))
+
+
+def torch_rnn(shape: Shape, device: str):
+  import torch
+  dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[shape.dtype]
+  cls = torch.nn.LSTM if shape.mode == "lstm" else torch.nn.GRU
+  module = cls(shape.input_size, shape.hidden, shape.layers, batch_first=True,
+               bidirectional=shape.bidirectional).to(device=device, dtype=dtype)
+  x = torch.randn(shape.batch, shape.seq_len, shape.input_size, device=device, dtype=dtype,
+                  requires_grad=True)
+  sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+  def fwd():
+    with torch.no_grad():
+      module(x)
+    sync()
+
+  def fwd_bwd():
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    module(x)[0].float().sum().backward()
+    sync()
+
+  return fwd, fwd_bwd
+
+
+# -- the driver ------------------------------------------------------------------------
+
+
+def contenders(shape: Shape, gpu: bool, have_torch: bool):
+  out = {"ours-xla": lambda: ours(shape, "xla"), "flax-scan": lambda: flax_scan(shape)}
+  if gpu:
+    out["ours-cudnn"] = lambda: ours(shape, "cudnn")
+    out["jax.experimental.rnn"] = lambda: jax_experimental(shape)
+  if have_torch:
+    out["torch"] = lambda: torch_rnn(shape, "cuda" if gpu else "cpu")
+  return out
+
+
+def versions() -> dict:
+  v = {"python": platform.python_version(), "jax": jax.__version__,
+       "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+       "numpy": np.__version__}
+  for name in ("flax", "torch"):
+    try:
+      v[name] = __import__(name).__version__
+    except ImportError:
+      pass
+  lib, _ = _cudnn._load()
+  v["cudnn_native_library"] = lib is not None
+  try:
+    import torch
+    if torch.backends.cudnn.is_available():
+      v["cudnn (torch)"] = torch.backends.cudnn.version()
+  except Exception:
+    pass
+  try:
+    v["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                 cwd=pathlib.Path(__file__).parent).stdout.strip()
+  except OSError:
+    pass
+  return v
+
+
+def markdown(results: list[dict], device: str) -> str:
+  lines = [f"# RNN benchmarks on {device}", "",
+           "Ratio = peer's median time / ours (`ours-cudnn` on a GPU, else `ours-xla`); "
+           "> 1 means we are faster.", ""]
+  peers = sorted({r["impl"] for r in results} - {"ours-xla", "ours-cudnn"})
+  for phase in ("fwd", "fwd+bwd"):
+    lines += [f"## {phase}", "",
+              "| shape | ours (ms) | " + " | ".join(f"{p} (ms) | ratio" for p in peers) + " |",
+              "|---|---:|" + "---:|---:|" * len(peers)]
+    for shape in dict.fromkeys(r["shape"] for r in results):
+      rows = {r["impl"]: r for r in results if r["shape"] == shape and r["phase"] == phase}
+      mine = rows.get("ours-cudnn") or rows.get("ours-xla")
+      if mine is None:
+        continue
+      cells = [f"{mine['median_s'] * 1e3:.2f}"]
+      for p in peers:
+        r = rows.get(p)
+        cells += ([f"{r['median_s'] * 1e3:.2f}", f"{r['median_s'] / mine['median_s']:.2f}x"]
+                  if r else ["—", "—"])
+      lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def plot(results: list[dict], path: pathlib.Path, device: str) -> bool:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib is not installed: no plot", file=sys.stderr)
+    return False
+  shapes = list(dict.fromkeys(r["shape"] for r in results))
+  impls = list(dict.fromkeys(r["impl"] for r in results))
+  fig, axes = plt.subplots(1, 2, figsize=(16, 0.5 * len(shapes) + 2), sharey=True)
+  for ax, phase in zip(axes, ("fwd", "fwd+bwd")):
+    height = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+      values = [next((r["median_s"] * 1e3 for r in results if r["shape"] == s and
+                      r["impl"] == impl and r["phase"] == phase), 0.0) for s in shapes]
+      ax.barh(np.arange(len(shapes)) + i * height, values, height, label=impl)
+    ax.set_title(f"{phase} on {device} (ms, lower is better)")
+    ax.set_xscale("log")
+  axes[0].set_yticks(np.arange(len(shapes)) + 0.4, shapes, fontsize=7)
+  axes[0].legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  return True
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true", help="a few shapes, few repeats")
+  parser.add_argument("--repeats", type=int, default=None)
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
+  parser.add_argument("--machine", default=None, help="name in the output files")
+  parser.add_argument("--only", default=None, help="comma-separated contenders to run")
+  args = parser.parse_args(argv)
+  repeats = args.repeats or (5 if args.quick else 20)
+  gpu = _cudnn.availability()[0]
+  try:
+    import torch
+    have_torch = True
+    torch.set_num_threads(os.cpu_count() or 1)
+  except ImportError:
+    have_torch = False
+    print("torch is not installed: no PyTorch comparison", file=sys.stderr)
+  device = jax.devices()[0]
+  device_name = f"{device.platform}:{device.device_kind}"
+  machine = args.machine or ("gpu-" + device.device_kind.replace(" ", "-") if gpu
+                             else f"cpu-{os.cpu_count()}core")
+  only = set(args.only.split(",")) if args.only else None
+  results = []
+  for shape in grid(args.quick, gpu):
+    for impl, make in contenders(shape, gpu, have_torch).items():
+      if only and impl not in only:
+        continue
+      try:
+        fns = make()
+      except Exception as e:  # a peer that cannot run this shape
+        print(f"{shape.name:55s} {impl:22s} skipped: {type(e).__name__}: {e}"[:200])
+        continue
+      if fns is None:
+        continue
+      for phase, fn in zip(("fwd", "fwd+bwd"), fns):
+        try:
+          r = _time(fn, repeats, args.warmup)
+        except Exception as e:
+          print(f"{shape.name:55s} {impl:22s} {phase}: failed: {type(e).__name__}: {e}"[:200])
+          continue
+        r.update(shape=shape.name, impl=impl, phase=phase, peak_bytes=_jax_peak_bytes(),
+                 **dataclasses.asdict(shape))
+        results.append(r)
+        print(f"{shape.name:55s} {impl:22s} {phase:8s} {r['median_s'] * 1e3:9.2f} ms "
+              f"(iqr {r['iqr_s'] * 1e3:.2f})", flush=True)
+  out_dir = pathlib.Path(args.out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  stem = out_dir / f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
+  record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
+            "versions": versions(), "quick": args.quick, "repeats": repeats,
+            "warmup": args.warmup, "results": results}
+  stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+  table = markdown(results, device_name)
+  stem.with_suffix(".md").write_text(table)
+  plot(results, stem.with_suffix(".png"), device_name)
+  print("\n" + table)
+  print(f"wrote {stem}.json/.md/.png")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
