@@ -1,12 +1,19 @@
 """Pure-JAX RNNs: the ground truth, and the "xla" backend on every device.
 
 The equations are DESIGN §3 (cuDNN's, with a double bias). How the work is
-arranged, for speed on CPU:
-- the input projection of every time step of a layer, for both directions,
-  is one matmul outside the recurrent scan (biases folded in);
-- both directions of a bidirectional layer run in the same `lax.scan`, their
-  states stacked on a leading axis, the backward direction reading its input
-  reversed per sequence (so with `seq_lengths` it starts at `length - 1`);
+arranged, for speed on CPU (measured with XLA:CPU, jax 0.10, 2 cores; see
+benchmarks/):
+- the input projection is computed inside the recurrent scan, one matmul per
+  step and direction, next to the recurrent one. DESIGN asks for one matmul
+  over all steps outside the scan; on XLA:CPU that variant measured 1.3-1.5x
+  slower (LSTM B64 T100 H256: forward 100 vs 68 ms, forward+backward 270 vs
+  210 ms), because the loop then reads a `[T, B, 4H]` buffer through a
+  dynamic slice fused into the gate arithmetic. The cuDNN path does its own
+  projection;
+- both directions of a bidirectional layer run in the same `lax.scan`, as two
+  plain matmuls per step (a batched matmul over a stacked direction axis was
+  slower), the backward direction reading its input reversed per sequence (so
+  with `seq_lengths` it starts at `length - 1`);
 - without `seq_lengths` no masking is done at all.
 float16 and bfloat16 are computed in float32 (as cuDNN computes them) and the
 results cast back.
@@ -94,51 +101,46 @@ def _run_layer(spec, x, h0, c0, params, layer, seq_lengths):
   gru = spec.rnn_mode == "gru"
   g = spec.num_gates
   D = spec.num_dirs
-  if W is None:  # skip_input: the input is added to every gate as is
-    xp = jnp.broadcast_to(jnp.tile(x, g)[:, :, None, :], x.shape[:2] + (D, x.shape[-1] * g))
-  else:
-    T, B = x.shape[:2]
-    in_size = W.shape[1]
-    w_all = jnp.moveaxis(W, 0, 1).reshape(in_size, D * W.shape[2])
-    xp = (x @ w_all).reshape(T, B, D, W.shape[2])
+  T = x.shape[0]
   # The recurrent bias of GRU's n gate sits inside r * (R_n h + bR_n).
-  xp = xp + (bW if gru else bW + bR)
-  xp = jnp.moveaxis(xp, 2, 0)  # [D, T, B, gH]
-  if D == 2:
-    xp = jnp.stack([xp[0], _reverse_in_time(xp[1], seq_lengths)])
-  xp = jnp.moveaxis(xp, 0, 1)  # [T, D, B, gH]
-  rec_bias = bR[:, None, :] if gru else None
+  in_bias = bW if gru else bW + bR
+  xs = [x] if D == 1 else [x, _reverse_in_time(x, seq_lengths)]
   mode = spec.rnn_mode
+  has_c = c0 is not None
 
   def step(carry, inputs):
-    h, c = carry
-    if seq_lengths is None:
-      xp_t = inputs
-    else:
-      xp_t, valid = inputs
-    rec = jnp.einsum("dbh,dhk->dbk", h, R)
-    if rec_bias is not None:
-      rec = rec + rec_bias
-    h_new, c_new = _cell(mode, xp_t, rec, h, c)
-    if seq_lengths is None:
-      return (h_new, c_new), h_new
-    keep = valid[None, :, None]
-    h_new = jnp.where(keep, h_new, h)
-    if c is not None:
-      c_new = jnp.where(keep, c_new, c)
-    return (h_new, c_new), jnp.where(keep, h_new, jnp.zeros((), h_new.dtype))
+    hs, cs = carry
+    x_t, valid = inputs
+    new_hs, new_cs, outs = [], [], []
+    for d in range(D):
+      # skip_input: the input is added to every gate as is.
+      xp = jnp.tile(x_t[d], g) if W is None else x_t[d] @ W[d]
+      rec = hs[d] @ R[d]
+      if gru:
+        rec = rec + bR[d]
+      h_new, c_new = _cell(mode, xp + in_bias[d], rec, hs[d], cs[d] if has_c else None)
+      out = h_new
+      if valid is not None:
+        keep = valid[:, None]
+        h_new = jnp.where(keep, h_new, hs[d])
+        if has_c:
+          c_new = jnp.where(keep, c_new, cs[d])
+        out = jnp.where(keep, h_new, jnp.zeros((), h_new.dtype))
+      new_hs.append(h_new)
+      new_cs.append(c_new)
+      outs.append(out)
+    return (tuple(new_hs), tuple(new_cs) if has_c else None), tuple(outs)
 
-  if seq_lengths is None:
-    scan_inputs = xp
-  else:
-    valid = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None] < seq_lengths[None, :]
-    scan_inputs = (xp, valid)
-  (h, c), ys = jax.lax.scan(step, (h0, c0), scan_inputs)  # ys [T, D, B, H]
+  valid = None
+  if seq_lengths is not None:
+    valid = jnp.arange(T, dtype=jnp.int32)[:, None] < seq_lengths[None, :]
+  carry0 = (tuple(h0[d] for d in range(D)), tuple(c0[d] for d in range(D)) if has_c else None)
+  (hs, cs), ys = jax.lax.scan(step, carry0, (tuple(xs), valid))
+  ys = list(ys)  # each [T, B, H]
   if D == 2:
-    ys = jnp.stack([ys[:, 0], _reverse_in_time(ys[:, 1], seq_lengths)], axis=1)
-  T, _, B, H = ys.shape
-  y = jnp.moveaxis(ys, 1, 2).reshape(T, B, D * H)
-  return y, h, c
+    ys[1] = _reverse_in_time(ys[1], seq_lengths)
+  y = ys[0] if D == 1 else jnp.concatenate(ys, axis=-1)
+  return y, jnp.stack(hs), (jnp.stack(cs) if has_c else None)
 
 
 def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None,
