@@ -28,7 +28,6 @@ import json
 import os
 import pathlib
 import platform
-import statistics
 import subprocess
 import sys
 import time

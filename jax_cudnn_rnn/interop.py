@@ -161,7 +161,6 @@ def to_flax_linen_cells(spec, params) -> list[list[dict]]:
 
 def from_flax_linen_cells(spec, cells: Sequence[Sequence[Mapping]]):
   """An opaque buffer from Flax linen cell params `[layer][direction]`."""
-  g = spec.num_gates
   per = {}
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):
