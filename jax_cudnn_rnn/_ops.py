@@ -15,7 +15,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_cudnn_rnn import _cudnn, _params, _reference
+from jax_cudnn_rnn import _cudnn, _params, _xla
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 
@@ -128,7 +128,7 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
   backend = resolve_implementation(implementation)
   options = dict(seq_lengths=lengths, dropout_key=dropout_key, apply_dropout=apply_dropout,
                  time_major=bool(time_major))
-  xla = lambda *a: _reference.rnn(spec, *a, **options)
+  xla = lambda *a: _xla.rnn(spec, *a, **options)
   cudnn = lambda *a: _cudnn.rnn(spec, *a, **options)
   if backend == "xla":
     y, h, c = xla(x, h0, c0, params)

@@ -144,7 +144,7 @@ def _run_layer(spec, x, h0, c0, params, layer, seq_lengths):
 
 
 def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None,
-        apply_dropout=False, time_major=True):
+        apply_dropout=False, time_major=True, run_layer=_run_layer):
   """The whole multi-layer RNN in pure JAX.
 
   Args:
@@ -156,6 +156,7 @@ def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None,
     dropout_key: PRNG key, used when `apply_dropout`.
     apply_dropout: whether to drop the outputs of layers `0 .. L-2`.
     time_major: layout of `x` and of the returned output.
+    run_layer: runs one layer, all directions (`_xla.run_layer` is the fast one).
 
   Returns:
     `(y, h, c)` with `c` None for models without a cell state.
@@ -170,7 +171,7 @@ def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None,
   hs, cs = [], []
   for layer in range(spec.num_layers):
     sl = slice(layer * D, (layer + 1) * D)
-    x, h, c = _run_layer(spec, x, h0[sl], None if c0 is None else c0[sl], params,
+    x, h, c = run_layer(spec, x, h0[sl], None if c0 is None else c0[sl], params,
                          layer, seq_lengths)
     hs.append(h)
     cs.append(c)

@@ -1,0 +1,131 @@
+"""The fast "xla" backend (`_xla`, hand-derived tangent) against the plain reference scan.
+
+Values, reverse-mode gradients with respect to every subset of inputs (each
+subset leaves different tangents symbolically zero), forward-mode JVPs and
+second order, over every mode, direction, input mode, depth and with lengths.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from jax_cudnn_rnn import _reference, _xla
+from helpers import SPEC_CLASSES, random_inputs
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def _setup(cls, layers, direction, input_mode, T=6, B=3):
+  input_size = 4 if input_mode == "skip_input" else 5
+  spec = cls(layers, 4, input_size, direction=direction, input_mode=input_mode,
+             dtype=jnp.float64)
+  x, h, c = random_inputs(spec, T, B)
+  params = spec.init_params(jax.random.key(3))
+  return spec, (x, h, c, params)
+
+
+def _loss(impl, spec, lengths):
+  """A scalar touching every output non-linearly, so each gradient path is exercised."""
+  def f(x, h, c, params):
+    y, h_out, c_out = impl(spec, x, h, c, params, seq_lengths=lengths)
+    total = jnp.sum(jnp.sin(y)) + jnp.sum(h_out ** 2)
+    return total if c_out is None else total + jnp.sum(1.5 * c_out)
+  return f
+
+
+CONFIGS = list(itertools.product(SPEC_CLASSES, ["unidirectional", "bidirectional"],
+                                 ["linear_input", "skip_input"], [False, True]))
+
+def _lengths(T):
+  """Full, partial and empty sequences (already clamped, as `_ops.rnn` passes them)."""
+  return jnp.array([T, 2, 0], jnp.int32)
+
+
+def _assert_close(a, b):
+  assert np.all(np.isfinite(b)), "the reference produced non-finite values"
+  np.testing.assert_allclose(a, b, **TOL)
+
+
+def _all_derivatives(f, args, tangents, argnums):
+  """Value, gradient with respect to `argnums` and the JVP along `tangents`, in one jit."""
+  def run(*diff):
+    full = list(args)
+    for i, d in zip(argnums, diff):
+      full[i] = d
+    partial = lambda *d: f(*[d[argnums.index(i)] if i in argnums else full[i]
+                             for i in range(len(full))])
+    value, grads = jax.value_and_grad(partial, argnums=tuple(range(len(diff))))(*diff)
+    _, jvp = jax.jvp(partial, diff, tuple(tangents[i] for i in argnums))
+    return value, grads, jvp
+  return jax.jit(run)(*[args[i] for i in argnums])
+
+
+def _compare(spec, args, lengths, argnums):
+  rng = np.random.default_rng(5)
+  tangents = [None if a is None else rng.normal(size=np.shape(a)) for a in args]
+  fast = _all_derivatives(_loss(_xla.rnn, spec, lengths), args, tangents, argnums)
+  ref = _all_derivatives(_loss(_reference.rnn, spec, lengths), args, tangents, argnums)
+  for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref)):
+    _assert_close(a, b)
+
+
+@pytest.mark.parametrize("cls,direction,input_mode,with_lengths", CONFIGS)
+def test_values_gradients_and_jvp_match_reference(cls, direction, input_mode, with_lengths):
+  """Two layers: layer 0 has the input mode's shapes, layer 1 the stacked input."""
+  spec, args = _setup(cls, 2, direction, input_mode)
+  lengths = _lengths(6) if with_lengths else None
+  y_fast = jax.jit(lambda *a: _xla.rnn(spec, *a, seq_lengths=lengths))(*args)
+  y_ref = jax.jit(lambda *a: _reference.rnn(spec, *a, seq_lengths=lengths))(*args)
+  for a, b in zip(y_fast, y_ref):
+    if b is not None:
+      _assert_close(a, b)
+  _compare(spec, args, lengths, tuple(i for i, a in enumerate(args) if a is not None))
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("argnum", [0, 1, 2, 3])
+def test_single_input_derivatives(cls, argnum):
+  """Only one input differentiated: the others' tangents are symbolic zeros."""
+  spec, args = _setup(cls, 1, "bidirectional", "linear_input")
+  if args[argnum] is None:
+    pytest.skip(f"{cls.__name__} has no cell state")
+  _compare(spec, args, _lengths(6), (argnum,))
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_second_order_matches_reference(cls):
+  """Hessian-vector products (forward over reverse, reverse over reverse)."""
+  spec, (x, h, c, params) = _setup(cls, 2, "bidirectional", "linear_input", T=4, B=3)
+  v = np.random.default_rng(6).normal(size=params.shape)
+
+  def hvps(impl):
+    f = lambda p: _loss(impl, spec, _lengths(4))(x, h, c, p)
+    fwd_over_rev = jax.jvp(jax.grad(f), (params,), (v,))[1]
+    rev_over_rev = jax.grad(lambda p: jnp.vdot(jax.grad(f)(p), v))(params)
+    return fwd_over_rev, rev_over_rev
+
+  for a, b in zip(jax.jit(lambda: hvps(_xla.rnn))(), jax.jit(lambda: hvps(_reference.rnn))()):
+    _assert_close(a, b)
+
+
+def test_second_order_numerically():
+  spec, (x, h, c, params) = _setup(SPEC_CLASSES[0], 1, "bidirectional", "linear_input", T=3,
+                                   B=2)
+  f = jax.jit(lambda x, p: _loss(_xla.rnn, spec, jnp.array([3, 1], jnp.int32))(x, h, c, p))
+  check_grads(f, (x, params), order=2, modes=("rev", "fwd"), atol=1e-5, rtol=1e-5)
+
+
+def test_float32_gradients_match_reference():
+  """The computation dtype path (float32 and, through it, float16/bfloat16)."""
+  spec, (x, h, c, params) = _setup(SPEC_CLASSES[0], 2, "bidirectional", "linear_input")
+  spec = type(spec)(2, 4, 5, direction="bidirectional", dtype=jnp.float32)
+  args = (x.astype(np.float32), h.astype(np.float32), c.astype(np.float32),
+          params.astype(np.float32))
+  g_fast = jax.grad(_loss(_xla.rnn, spec, None), argnums=(0, 3))(*args)
+  g_ref = jax.grad(_loss(_reference.rnn, spec, None), argnums=(0, 3))(*args)
+  for a, b in zip(g_fast, g_ref):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
