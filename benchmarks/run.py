@@ -12,7 +12,11 @@ Peers, each run on the same inputs and shapes:
 Forward ("fwd", inference) and forward+backward ("fwd+bwd", gradient of a sum
 with respect to the input and all weights). Each figure is the median of
 `--repeats` timings (after warm-up and compilation) and the spread
-(interquartile range); on a GPU the peak device memory too.
+(interquartile range), timed in round-robin rounds across the contenders so that
+a slow stretch of a noisy machine falls on all alike; and the memory each needs:
+for JAX contenders the temporary buffers XLA allocates for the compiled
+computation (`memory_analysis().temp_size_in_bytes`, any backend), for PyTorch
+on a GPU the peak allocated during one call.
 
 Writes `<out-dir>/<machine>-<date>.json` (every figure, versions, device),
 `<machine>-<date>.md` (ratios of each peer's time to ours: > 1 means we are
@@ -88,26 +92,55 @@ def grid(quick: bool, gpu: bool) -> list[Shape]:
 # -- timing ---------------------------------------------------------------------------
 
 
-def _time(fn, repeats: int, warmup: int) -> dict:
-  for _ in range(warmup):
-    fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  q1, median, q3 = np.percentile(times, [25, 50, 75])
-  return {"median_s": float(median), "iqr_s": float(q3 - q1), "repeats": repeats}
+def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int) -> dict:
+  """Times every `fns[name]()` in round-robin rounds, so that a slow stretch of a noisy
+  machine falls on all contenders alike; per name the median and interquartile range of
+  all `repeats` timings (after `warmup` untimed calls each). A contender that fails is
+  reported as `{"error": ...}`."""
+  samples, failed = {name: [] for name in fns}, {}
+  for name, fn in fns.items():
+    try:
+      for _ in range(warmup):
+        fn()
+    except Exception as e:
+      failed[name] = f"{type(e).__name__}: {e}"
+  per_round = max(1, -(-repeats // rounds))
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      if name in failed:
+        continue
+      for _ in range(per_round):
+        start = time.perf_counter()
+        fn()
+        samples[name].append(time.perf_counter() - start)
+  out = {}
+  for name in fns:
+    if name in failed:
+      out[name] = {"error": failed[name]}
+      continue
+    q1, median, q3 = np.percentile(samples[name], [25, 50, 75])
+    out[name] = {"median_s": float(median), "iqr_s": float(q3 - q1),
+                 "repeats": len(samples[name])}
+  return out
 
 
-def _jax_peak_bytes():
-  try:
-    return jax.devices()[0].memory_stats().get("peak_bytes_in_use")
-  except Exception:  # backends without memory stats (CPU)
-    return None
+def _jax_contender(fwd, grad, args):
+  """Jits `fwd(*args)` and `grad(*args)`; returns the two calls and XLA's temp bytes of each."""
+  fwd, grad = jax.jit(fwd), jax.jit(grad)
+  memory = {}
+  for phase, fn in (("fwd", fwd), ("fwd+bwd", grad)):
+    try:
+      memory[phase] = int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    except Exception:  # a backend without memory analysis
+      memory[phase] = None
+  return (lambda: jax.block_until_ready(fwd(*args)),
+          lambda: jax.block_until_ready(grad(*args)), memory)
 
 
 # -- the contenders ------------------------------------------------------------------
+#
+# Each returns `(fwd, fwd_bwd, memory)`: two calls to time and the bytes each needs
+# (`{"fwd": .., "fwd+bwd": ..}`, None where unknown), or None when it cannot run the shape.
 
 
 def ours(shape: Shape, implementation: str):
@@ -119,10 +152,8 @@ def ours(shape: Shape, implementation: str):
   def run(x, p):
     return spec._run(x, None, None, p, False, time_major=False, implementation=implementation)[0]
 
-  fwd = jax.jit(run)
-  grad = jax.jit(jax.grad(lambda x, p: jnp.sum(run(x, p).astype(jnp.float32)), argnums=(0, 1)))
-  return (lambda: fwd(x, params).block_until_ready(),
-          lambda: jax.block_until_ready(grad(x, params)))
+  return _jax_contender(run, jax.grad(lambda x, p: jnp.sum(run(x, p).astype(jnp.float32)),
+                                      argnums=(0, 1)), (x, params))
 
 
 def flax_scan(shape: Shape):
@@ -145,11 +176,9 @@ def flax_scan(shape: Shape):
   model = Stack()
   x = jax.random.normal(jax.random.key(1), (shape.batch, shape.seq_len, shape.input_size), dtype)
   params = model.init(jax.random.key(0), x)
-  fwd = jax.jit(model.apply)
-  grad = jax.jit(jax.grad(lambda p, x: jnp.sum(model.apply(p, x).astype(jnp.float32)),
-                          argnums=(0, 1)))
-  return (lambda: fwd(params, x).block_until_ready(),
-          lambda: jax.block_until_ready(grad(params, x)))
+  return _jax_contender(model.apply,
+                        jax.grad(lambda p, x: jnp.sum(model.apply(p, x).astype(jnp.float32)),
+                                 argnums=(0, 1)), (params, x))
 
 
 def jax_experimental(shape: Shape):
@@ -167,9 +196,7 @@ def jax_experimental(shape: Shape):
     return rnn.lstm(x, h0, h0, w, lengths, input_size=shape.input_size, hidden_size=shape.hidden,
                     num_layers=shape.layers, dropout=0.0, bidirectional=shape.bidirectional)[0]
 
-  fwd = jax.jit(run)
-  grad = jax.jit(jax.grad(lambda x, w: jnp.sum(run(x, w)), argnums=(0, 1)))
-  return (lambda: fwd(x, w).block_until_ready(), lambda: jax.block_until_ready(grad(x, w)))
+  return _jax_contender(run, jax.grad(lambda x, w: jnp.sum(run(x, w)), argnums=(0, 1)), (x, w))
 
 
 def torch_rnn(shape: Shape, device: str):
@@ -193,7 +220,14 @@ def torch_rnn(shape: Shape, device: str):
     module(x)[0].float().sum().backward()
     sync()
 
-  return fwd, fwd_bwd
+  memory = {"fwd": None, "fwd+bwd": None}
+  if device == "cuda":
+    for phase, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+      fn()
+      torch.cuda.reset_peak_memory_stats()
+      fn()
+      memory[phase] = int(torch.cuda.max_memory_allocated())
+  return fwd, fwd_bwd, memory
 
 
 # -- the driver ------------------------------------------------------------------------
@@ -255,6 +289,16 @@ def markdown(results: list[dict], device: str) -> str:
                   if r else ["—", "—"])
       lines.append(f"| {shape} | " + " | ".join(cells) + " |")
     lines.append("")
+  mib = lambda r: "—" if r is None or r.get("memory_bytes") is None else \
+      f"{r['memory_bytes'] / 2**20:.1f}"
+  lines += ["## memory, fwd+bwd (MiB)", "",
+            "XLA's temporary buffers for JAX contenders; PyTorch's peak allocation on a GPU.", "",
+            "| shape | ours | " + " | ".join(peers) + " |", "|---|---:|" + "---:|" * len(peers)]
+  for shape in dict.fromkeys(r["shape"] for r in results):
+    rows = {r["impl"]: r for r in results if r["shape"] == shape and r["phase"] == "fwd+bwd"}
+    mine = rows.get("ours-cudnn") or rows.get("ours-xla")
+    lines.append(f"| {shape} | {mib(mine)} | " + " | ".join(mib(rows.get(p)) for p in peers) + " |")
+  lines.append("")
   return "\n".join(lines)
 
 
@@ -290,11 +334,13 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true", help="a few shapes, few repeats")
   parser.add_argument("--repeats", type=int, default=None)
   parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--rounds", type=int, default=3,
+                      help="the repeats are split into this many round-robin rounds")
   parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--machine", default=None, help="name in the output files")
   parser.add_argument("--only", default=None, help="comma-separated contenders to run")
   args = parser.parse_args(argv)
-  repeats = args.repeats or (5 if args.quick else 20)
+  repeats = args.repeats or (6 if args.quick else 21)
   gpu = _cudnn.availability()[0]
   try:
     import torch
@@ -310,6 +356,7 @@ def main(argv=None) -> int:
   only = set(args.only.split(",")) if args.only else None
   results = []
   for shape in grid(args.quick, gpu):
+    timed, memory = {}, {}
     for impl, make in contenders(shape, gpu, have_torch).items():
       if only and impl not in only:
         continue
@@ -318,25 +365,24 @@ def main(argv=None) -> int:
       except Exception as e:  # a peer that cannot run this shape
         print(f"{shape.name:55s} {impl:22s} skipped: {type(e).__name__}: {e}"[:200])
         continue
-      if fns is None:
+      if fns is not None:
+        timed.update({(impl, phase): fn for phase, fn in zip(("fwd", "fwd+bwd"), fns[:2])})
+        memory.update({(impl, phase): fns[2][phase] for phase in ("fwd", "fwd+bwd")})
+    for (impl, phase), r in _time_interleaved(timed, repeats, args.warmup, args.rounds).items():
+      if "error" in r:
+        print(f"{shape.name:55s} {impl:22s} {phase}: failed: {r['error']}"[:200])
         continue
-      for phase, fn in zip(("fwd", "fwd+bwd"), fns):
-        try:
-          r = _time(fn, repeats, args.warmup)
-        except Exception as e:
-          print(f"{shape.name:55s} {impl:22s} {phase}: failed: {type(e).__name__}: {e}"[:200])
-          continue
-        r.update(shape=shape.name, impl=impl, phase=phase, peak_bytes=_jax_peak_bytes(),
-                 **dataclasses.asdict(shape))
-        results.append(r)
-        print(f"{shape.name:55s} {impl:22s} {phase:8s} {r['median_s'] * 1e3:9.2f} ms "
-              f"(iqr {r['iqr_s'] * 1e3:.2f})", flush=True)
+      r.update(shape=shape.name, impl=impl, phase=phase, memory_bytes=memory[impl, phase],
+               **dataclasses.asdict(shape))
+      results.append(r)
+      print(f"{shape.name:55s} {impl:22s} {phase:8s} {r['median_s'] * 1e3:9.2f} ms "
+            f"(iqr {r['iqr_s'] * 1e3:.2f})", flush=True)
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   stem = out_dir / f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
             "versions": versions(), "quick": args.quick, "repeats": repeats,
-            "warmup": args.warmup, "results": results}
+            "warmup": args.warmup, "rounds": args.rounds, "results": results}
   stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
   table = markdown(results, device_name)
   stem.with_suffix(".md").write_text(table)
