@@ -22,7 +22,7 @@ higher orders, `vmap` and `jax.checkpoint` keep working, since all of this is
 ordinary JAX.
 
 Measured on XLA:CPU, 2 cores, LSTM forward+backward (see benchmarks/NOTES.md):
-B16 T50 H128: 17 -> 11 ms; B64 T100 H256: 240 -> 210 ms.
+B16 T50 H128: 17 -> 11-12 ms; B64 T100 H256: 235 -> 210-215 ms (PyTorch: 180-190).
 
 Only what is described above differs from `_reference._run_layer`: input
 projection inside the forward scan, both directions in one scan, the
