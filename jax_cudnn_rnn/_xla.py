@@ -102,6 +102,20 @@ def _relu_cell(xp, rec, h, c, coefficients):
   return h_new, c, (((pre > 0).astype(pre.dtype),) if coefficients else ())
 
 
+def _mask(valid_t, h, c, h_prev, c_prev):
+  """Past a sequence's length the state is carried and the output is zero.
+
+  Returns `(h, c, out)`; `c` stays None for cells without one. The same
+  function is linear in `(h, c, h_prev, c_prev)`, so it serves the tangent too.
+  """
+  if valid_t is None:
+    return h, c, h
+  keep = valid_t[:, None]
+  h = jnp.where(keep, h, h_prev)
+  c = None if c is None else jnp.where(keep, c, c_prev)
+  return h, c, jnp.where(keep, h, jnp.zeros((), h.dtype))
+
+
 _CELLS = {"lstm": _lstm_cell, "gru": _gru_cell, "rnn_tanh": _tanh_cell, "rnn_relu": _relu_cell}
 _GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 
@@ -129,12 +143,7 @@ def _forward(mode, xs, valid, h0, c0, W, R, bW, bR, coefficients):
       if gru:
         rec = rec + bR[d]
       h, c, r = cell(xp, rec, hs[d], cs[d] if lstm else None, coefficients)
-      out = h
-      if valid_t is not None:
-        keep = valid_t[:, None]
-        h = jnp.where(keep, h, hs[d])
-        c = jnp.where(keep, c, cs[d]) if lstm else None
-        out = jnp.where(keep, h, jnp.zeros((), h.dtype))
+      h, c, out = _mask(valid_t, h, c, hs[d], cs[d] if lstm else None)
       new_hs.append(h)
       new_cs.append(c)
       outs.append(out)
@@ -206,19 +215,14 @@ def _layer_jvp(mode, primals, tangents):
         dc = u_i + u_f + u_g + f * dcs[d]
         dh = u_o + k_h * dc
       elif gru:
-        _, Kr, z = res_t[d]
+        Kr, z = res_t[d]
         dh = _blocksum(pre * Kr, 3) + z * dhs[d]
         if X_t[d] is not None:
           dh = dh + X_t[d]
         dc = None
       else:
         dh, dc = pre * res_t[d][0], None
-      out = dh
-      if valid_t is not None:
-        keep = valid_t[:, None]
-        dh = jnp.where(keep, dh, dhs[d])
-        dc = jnp.where(keep, dc, dcs[d]) if lstm else None
-        out = jnp.where(keep, dh, jnp.zeros((), dh.dtype))
+      dh, dc, out = _mask(valid_t, dh, dc, dhs[d], dcs[d] if lstm else None)
       new_dhs.append(dh)
       new_dcs.append(dc)
       outs.append(out)
@@ -227,7 +231,9 @@ def _layer_jvp(mode, primals, tangents):
   zeros_like = lambda t, p: jnp.zeros_like(p) if _zero(t) else t
   carry0 = (tuple(zeros_like(t, p) for t, p in zip(th0, h0)),
             tuple(zeros_like(t, p) for t, p in zip(tc0, c0)) if lstm else None)
-  (dhT, dcT), dys = jax.lax.scan(tangent_step, carry0, (tuple(A), tuple(X), res, valid))
+  # GRU's input coefficients were used above, outside the loop; the loop reads the rest.
+  loop_res = tuple(r[1:] for r in res) if gru else res
+  (dhT, dcT), dys = jax.lax.scan(tangent_step, carry0, (tuple(A), tuple(X), loop_res, valid))
   return (ys, hT, cT), (dys, dhT, dcT)
 
 
