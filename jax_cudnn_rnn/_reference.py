@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cudnn_rnn import _dropout, _layout
+from jax_cudnn_rnn import _dropout, _layout, _spec
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -95,48 +95,85 @@ def _cell(rnn_mode: str, xp, rec, h, c):
   return (jnp.tanh(pre) if rnn_mode == "rnn_tanh" else jax.nn.relu(pre)), c
 
 
-def _run_layer(spec, x, h0, c0, params, layer, seq_lengths):
-  """One layer, all directions. `x [T, B, in]`, `h0/c0 [D, B, H]`."""
-  W, R, bW, bR = _layer_params(spec, params, layer)
-  gru = spec.rnn_mode == "gru"
-  g = spec.num_gates
-  D = spec.num_dirs
-  T = x.shape[0]
+def project(x: jax.Array, W: jax.Array | None, gates: int) -> jax.Array:
+  """`x @ W`, or the input added to every gate as is (skip_input: W is None)."""
+  return jnp.tile(x, gates) if W is None else x @ W
+
+
+def mask(valid_t, h, c, h_prev, c_prev):
+  """Past a sequence's length the state is carried and the output is zero.
+
+  Returns `(h, c, out)`; `c` stays None for cells without one. Linear in
+  `(h, c, h_prev, c_prev)`, so `_xla` applies it to tangents too.
+  """
+  if valid_t is None:
+    return h, c, h
+  keep = valid_t[:, None]
+  h = jnp.where(keep, h, h_prev)
+  c = None if c is None else jnp.where(keep, c, c_prev)
+  return h, c, jnp.where(keep, h, jnp.zeros((), h.dtype))
+
+
+def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR):
+  """The forward recurrence of one layer, all directions in one `lax.scan`.
+
+  `xs`, `h0`, `c0`, `R`, `bW`, `bR` (and `W`, unless None: skip_input) are
+  tuples over directions, inputs in step order; `c0` is None without a cell
+  state. `cell(xp, rec, h, c)` returns `(h', c', res)`, `xp` holding the input
+  pre-activations with the input bias, `rec` the recurrent ones (with the
+  recurrent bias for GRU only), `res` anything to stack over time.
+
+  Returns per-direction tuples `(ys, hT, cT, res)`.
+  """
+  D, lstm, gru = len(xs), mode == "lstm", mode == "gru"
+  g = _spec.NUM_GATES[mode]
   # The recurrent bias of GRU's n gate sits inside r * (R_n h + bR_n).
-  in_bias = bW if gru else [w + r for w, r in zip(bW, bR)]
-  xs = [x] if D == 1 else [x, _reverse_in_time(x, seq_lengths)]
-  mode = spec.rnn_mode
-  has_c = c0 is not None
+  in_bias = bW if gru else tuple(a + b for a, b in zip(bW, bR))
 
   def step(carry, inputs):
     hs, cs = carry
-    x_t, valid = inputs
-    new_hs, new_cs, outs = [], [], []
+    x_t, valid_t = inputs
+    new_hs, new_cs, outs, res = [], [], [], []
     for d in range(D):
-      # skip_input: the input is added to every gate as is.
-      xp = jnp.tile(x_t[d], g) if W is None else x_t[d] @ W[d]
+      xp = project(x_t[d], None if W is None else W[d], g) + in_bias[d]
       rec = hs[d] @ R[d]
       if gru:
         rec = rec + bR[d]
-      h_new, c_new = _cell(mode, xp + in_bias[d], rec, hs[d], cs[d] if has_c else None)
-      out = h_new
-      if valid is not None:
-        keep = valid[:, None]
-        h_new = jnp.where(keep, h_new, hs[d])
-        if has_c:
-          c_new = jnp.where(keep, c_new, cs[d])
-        out = jnp.where(keep, h_new, jnp.zeros((), h_new.dtype))
-      new_hs.append(h_new)
-      new_cs.append(c_new)
+      h, c, r = cell(xp, rec, hs[d], cs[d] if lstm else None)
+      h, c, out = mask(valid_t, h, c, hs[d], cs[d] if lstm else None)
+      new_hs.append(h)
+      new_cs.append(c)
       outs.append(out)
-    return (tuple(new_hs), tuple(new_cs) if has_c else None), tuple(outs)
+      res.append(r)
+    return (tuple(new_hs), tuple(new_cs) if lstm else None), (tuple(outs), tuple(res))
 
+  carry0 = (tuple(h0), tuple(c0) if lstm else None)
+  (hT, cT), (ys, res) = jax.lax.scan(step, carry0, (tuple(xs), valid))
+  return ys, hT, cT, res
+
+
+def _recurrence(mode, xs, valid, h0, c0, W, R, bW, bR):
+  """The plain recurrence: `forward_scan` over `_cell`, differentiated by JAX."""
+  cell = lambda xp, rec, h, c: _cell(mode, xp, rec, h, c) + ((),)
+  return forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR)[:3]
+
+
+def _run_layer(spec, x, h0, c0, params, layer, seq_lengths, recurrence=_recurrence):
+  """One layer, all directions. `x [T, B, in]`, `h0/c0 [D, B, H]`.
+
+  `recurrence` has the signature of `_recurrence` (`_xla._layer` is the fast one).
+  """
+  W, R, bW, bR = _layer_params(spec, params, layer)
+  D = spec.num_dirs
+  xs = (x,) if D == 1 else (x, _reverse_in_time(x, seq_lengths))
   valid = None
   if seq_lengths is not None:
-    valid = jnp.arange(T, dtype=jnp.int32)[:, None] < seq_lengths[None, :]
-  carry0 = (tuple(h0[d] for d in range(D)), tuple(c0[d] for d in range(D)) if has_c else None)
-  (hs, cs), ys = jax.lax.scan(step, carry0, (tuple(xs), valid))
-  ys = list(ys)  # each [T, B, H]
+    valid = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None] < seq_lengths[None, :]
+  has_c = c0 is not None
+  ys, hs, cs = recurrence(spec.rnn_mode, xs, valid, tuple(h0[d] for d in range(D)),
+                          tuple(c0[d] for d in range(D)) if has_c else None,
+                          None if W is None else tuple(W), tuple(R), tuple(bW), tuple(bR))
+  ys = list(ys)  # each [T, B, H], in step order
   if D == 2:
     ys[1] = _reverse_in_time(ys[1], seq_lengths)
   y = ys[0] if D == 1 else jnp.concatenate(ys, axis=-1)

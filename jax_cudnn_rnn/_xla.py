@@ -24,9 +24,9 @@ ordinary JAX.
 Measured on XLA:CPU, 2 cores, LSTM forward+backward (see benchmarks/NOTES.md):
 B16 T50 H128: 17 -> 11-12 ms; B64 T100 H256: 235 -> 210-215 ms (PyTorch: 180-190).
 
-Only what is described above differs from `_reference._run_layer`: input
-projection inside the forward scan, both directions in one scan, the
-backward direction reading its input reversed per sequence.
+The forward scan and the per-layer plumbing are the reference's
+(`_reference.forward_scan`, `_reference._run_layer`), given this file's cells,
+which also return the coefficients, and this file's `custom_jvp` recurrence.
 """
 
 from __future__ import annotations
@@ -37,12 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jax_cudnn_rnn import _reference
-
-
-def _project(x: jax.Array, W: jax.Array | None, gates: int) -> jax.Array:
-  """`x @ W`, or the input added to every gate as is (skip_input: W is None)."""
-  return jnp.tile(x, gates) if W is None else x @ W
+from jax_cudnn_rnn import _reference, _spec
 
 
 def _blocksum(u: jax.Array, blocks: int) -> jax.Array:
@@ -55,7 +50,7 @@ def _blocksum(u: jax.Array, blocks: int) -> jax.Array:
 #
 # `cell(xp, rec, h, c, coefficients)` returns `(h', c', res)`, where `res` is
 # `()` unless `coefficients`, and otherwise the per-step coefficients that
-# `_tangent_step` reads. `xp` holds the input pre-activations with the input
+# the tangent step reads. `xp` holds the input pre-activations with the input
 # bias, `rec` the recurrent ones (with the recurrent bias for GRU only).
 
 
@@ -102,57 +97,14 @@ def _relu_cell(xp, rec, h, c, coefficients):
   return h_new, c, (((pre > 0).astype(pre.dtype),) if coefficients else ())
 
 
-def _mask(valid_t, h, c, h_prev, c_prev):
-  """Past a sequence's length the state is carried and the output is zero.
-
-  Returns `(h, c, out)`; `c` stays None for cells without one. The same
-  function is linear in `(h, c, h_prev, c_prev)`, so it serves the tangent too.
-  """
-  if valid_t is None:
-    return h, c, h
-  keep = valid_t[:, None]
-  h = jnp.where(keep, h, h_prev)
-  c = None if c is None else jnp.where(keep, c, c_prev)
-  return h, c, jnp.where(keep, h, jnp.zeros((), h.dtype))
-
-
 _CELLS = {"lstm": _lstm_cell, "gru": _gru_cell, "rnn_tanh": _tanh_cell, "rnn_relu": _relu_cell}
-_GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 
 
 def _forward(mode, xs, valid, h0, c0, W, R, bW, bR, coefficients):
-  """The forward scan, all directions at once.
-
-  `xs`, `h0`, `c0`, `R`, `bW`, `bR` (and `W`, unless None) are tuples over
-  directions, inputs in step order. Returns per-direction tuples
-  `(ys, hT, cT, res)`, `res` being each step's coefficients stacked over time.
-  """
-  D, g = len(xs), _GATES[mode]
-  lstm, gru = mode == "lstm", mode == "gru"
-  cell = _CELLS[mode]
-  # The recurrent bias of GRU's n gate sits inside r * (R_n h + bR_n).
-  in_bias = bW if gru else tuple(a + b for a, b in zip(bW, bR))
-
-  def step(carry, inputs):
-    hs, cs = carry
-    x_t, valid_t = inputs
-    new_hs, new_cs, outs, res = [], [], [], []
-    for d in range(D):
-      xp = _project(x_t[d], None if W is None else W[d], g) + in_bias[d]
-      rec = hs[d] @ R[d]
-      if gru:
-        rec = rec + bR[d]
-      h, c, r = cell(xp, rec, hs[d], cs[d] if lstm else None, coefficients)
-      h, c, out = _mask(valid_t, h, c, hs[d], cs[d] if lstm else None)
-      new_hs.append(h)
-      new_cs.append(c)
-      outs.append(out)
-      res.append(r)
-    return (tuple(new_hs), tuple(new_cs) if lstm else None), (tuple(outs), tuple(res))
-
-  carry0 = (tuple(h0), tuple(c0) if lstm else None)
-  (hT, cT), (ys, res) = jax.lax.scan(step, carry0, (tuple(xs), valid))
-  return ys, hT, cT, res
+  """`_reference.forward_scan` over this file's cells; `res` holds the
+  coefficients stacked over time when `coefficients`, else empty tuples."""
+  cell = functools.partial(_CELLS[mode], coefficients=coefficients)
+  return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -175,7 +127,7 @@ def _layer_jvp(mode, primals, tangents):
   xs, valid, h0, c0, W, R, bW, bR = primals
   txs, _, th0, tc0, tW, tR, tbW, tbR = tangents
   ys, hT, cT, res = _forward(mode, xs, valid, h0, c0, W, R, bW, bR, coefficients=True)
-  D, g = len(xs), _GATES[mode]
+  D, g = len(xs), _spec.NUM_GATES[mode]
   T, B = xs[0].shape[:2]
   lstm, gru = mode == "lstm", mode == "gru"
   flat = lambda a: a.reshape(T * B, a.shape[-1])
@@ -191,7 +143,8 @@ def _layer_jvp(mode, primals, tangents):
   A, X = [], []
   for d in range(D):
     hprev = jnp.concatenate([h0[d][None], ys[d][:-1]])
-    dx = None if _zero(txs[d]) else _project(flat(txs[d]), None if W is None else W[d], g)
+    Wd = None if W is None else W[d]
+    dx = None if _zero(txs[d]) else _reference.project(flat(txs[d]), Wd, g)
     dw = None if W is None or _zero(tW[d]) else flat(xs[d]) @ tW[d]
     dr = None if _zero(tR[d]) else flat(hprev) @ tR[d]
     if gru:
@@ -222,7 +175,7 @@ def _layer_jvp(mode, primals, tangents):
         dc = None
       else:
         dh, dc = pre * res_t[d][0], None
-      dh, dc, out = _mask(valid_t, dh, dc, dhs[d], dcs[d] if lstm else None)
+      dh, dc, out = _reference.mask(valid_t, dh, dc, dhs[d], dcs[d] if lstm else None)
       new_dhs.append(dh)
       new_dcs.append(dc)
       outs.append(out)
@@ -240,23 +193,5 @@ def _layer_jvp(mode, primals, tangents):
 _layer.defjvp(_layer_jvp, symbolic_zeros=True)
 
 
-def run_layer(spec, x, h0, c0, params, layer, seq_lengths):
-  """One layer, all directions; the contract of `_reference._run_layer`."""
-  W, R, bW, bR = _reference._layer_params(spec, params, layer)
-  D = spec.num_dirs
-  xs = (x,) if D == 1 else (x, _reference._reverse_in_time(x, seq_lengths))
-  valid = None
-  if seq_lengths is not None:
-    valid = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None] < seq_lengths[None, :]
-  has_c = c0 is not None
-  ys, hs, cs = _layer(spec.rnn_mode, xs, valid, tuple(h0[d] for d in range(D)),
-                      tuple(c0[d] for d in range(D)) if has_c else None,
-                      None if W is None else tuple(W), tuple(R), tuple(bW), tuple(bR))
-  ys = list(ys)
-  if D == 2:
-    ys[1] = _reference._reverse_in_time(ys[1], seq_lengths)
-  y = ys[0] if D == 1 else jnp.concatenate(ys, axis=-1)
-  return y, jnp.stack(hs), (jnp.stack(cs) if has_c else None)
-
-
+run_layer = functools.partial(_reference._run_layer, recurrence=_layer)
 rnn = functools.partial(_reference.rnn, run_layer=run_layer)
