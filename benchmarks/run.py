@@ -125,16 +125,17 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int) -> dict
 
 
 def _jax_contender(fwd, grad, args):
-  """Jits `fwd(*args)` and `grad(*args)`; returns the two calls and XLA's temp bytes of each."""
-  fwd, grad = jax.jit(fwd), jax.jit(grad)
-  memory = {}
+  """Compiles `fwd(*args)` and `grad(*args)` once each; returns the two compiled calls and
+  XLA's temp bytes of each."""
+  calls, memory = [], {}
   for phase, fn in (("fwd", fwd), ("fwd+bwd", grad)):
+    compiled = jax.jit(fn).lower(*args).compile()
     try:
-      memory[phase] = int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+      memory[phase] = int(compiled.memory_analysis().temp_size_in_bytes)
     except Exception:  # a backend without memory analysis
       memory[phase] = None
-  return (lambda: jax.block_until_ready(fwd(*args)),
-          lambda: jax.block_until_ready(grad(*args)), memory)
+    calls.append(lambda compiled=compiled: jax.block_until_ready(compiled(*args)))
+  return calls[0], calls[1], memory
 
 
 # -- the contenders ------------------------------------------------------------------
