@@ -9,6 +9,10 @@ Lossless where the target can express the weights, an error where it cannot:
   one per layer and direction. Where the cell has one bias per gate, the two
   cuDNN biases are summed; reading back puts the sum in `bW` and zero in `bR`
   (the same function). GRU keeps both biases of the `n` gate, as Flax does.
+- Flax nnx cells (`LSTMCell`, `OptimizedLSTMCell`, `GRUCell`, `SimpleCell`),
+  modules built with the weights, or read back from modules or their
+  pure-dict states; biases summed as for linen. `nnx.GRUCell` has no
+  recurrent bias on the `n` gate, so a GRU whose one is nonzero is refused.
 - Keras 3 `LSTM`, `GRU(reset_after=True)`, `SimpleRNN` weight lists
   (`[kernel, recurrent_kernel, bias]`): Keras orders GRU gates z, r, h; its
   LSTM and SimpleRNN have one bias (summed as for Flax). Keras GRU without
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import jax
 import numpy as np
 
 from jax_cudnn_rnn import _layout
@@ -187,6 +192,131 @@ def from_flax_linen_cells(spec, cells: Sequence[Sequence[Mapping]]):
                          f"{spec.rnn_mode}") from None
       if not spec.layer_has_input_weights(layer):
         _check_skip_identity(spec, W, f"cells[0][{d}]")
+      per[layer, d] = (W, R, bW, bR)
+  return _from_per_direction(spec, per)
+
+
+# -- Flax nnx cells -----------------------------------------------------------------
+
+_NNX_CELLS = {"lstm": ("LSTMCell", "OptimizedLSTMCell"), "gru": ("GRUCell",),
+              "rnn_tanh": ("SimpleCell",), "rnn_relu": ("SimpleCell",)}
+
+
+def _nnx_cell_kind(spec, cell: str) -> str:
+  kinds = _NNX_CELLS[spec.rnn_mode]
+  if cell is None:
+    return kinds[0]
+  if cell not in kinds:
+    raise ValueError(f"cell must be one of {kinds} for {spec.rnn_mode}, got {cell!r}")
+  return cell
+
+
+def flax_nnx_cell(spec, layer: int, cell: str | None = None, *, rngs=None):
+  """A Flax nnx cell module for `layer` of `spec` (its weights freshly initialised)."""
+  from flax import nnx
+  import jax
+  kind = _nnx_cell_kind(spec, cell)
+  rngs = nnx.Rngs(0) if rngs is None else rngs
+  kwargs = dict(param_dtype=spec.dtype, dtype=spec.dtype, rngs=rngs)
+  if spec.rnn_mode in ("rnn_tanh", "rnn_relu"):
+    kwargs["activation_fn"] = jax.numpy.tanh if spec.rnn_mode == "rnn_tanh" else jax.nn.relu
+  return getattr(nnx, kind)(spec.layer_input_size(layer), spec.num_units, **kwargs)
+
+
+def _nnx_tree(kind, W, R, bW, bR, where):
+  """The pure-dict params of one nnx cell of `kind` from per-gate tensors."""
+  cat = lambda ms: np.concatenate([m.T for m in ms], axis=1)
+  if kind == "LSTMCell":  # per-gate modules, as in linen (`if` is spelled `if_`)
+    names = ["ii", "if_", "ig", "io"]
+    tree = {n: {"kernel": W[j].T} for j, n in enumerate(names)}
+    return tree | {f"h{k}": {"kernel": R[j].T, "bias": bW[j] + bR[j]}
+                   for j, k in enumerate(_LSTM_GATES)}
+  if kind == "OptimizedLSTMCell":
+    return {"dense_i": {"kernel": cat(W)},
+            "dense_h": {"kernel": cat(R), "bias": np.concatenate([a + b for a, b in zip(bW, bR)])}}
+  if kind == "GRUCell":
+    if np.any(bR[2] != 0):
+      raise ValueError(
+          f"{where}: nnx.GRUCell has no recurrent bias on the n gate (it computes "
+          "n = tanh(W_n x + b_n + r * (R_n h))), but this GRU's recurrent n bias is nonzero "
+          f"(max |b| = {np.max(np.abs(bR[2])):.3g}): the weights cannot be expressed exactly. "
+          "Use the linen GRUCell (to_flax_linen_cells), which keeps that bias")
+    return {"dense_i": {"kernel": cat(W), "bias": np.concatenate([bW[0] + bR[0], bW[1] + bR[1],
+                                                                   bW[2]])},
+            "dense_h": {"kernel": cat(R)}}
+  return {"dense_i": {"kernel": W[0].T, "bias": bW[0] + bR[0]}, "dense_h": {"kernel": R[0].T}}
+
+
+def _from_nnx_tree(kind, tree, g, units):
+  """`(W, R, bW, bR)` from one nnx cell's pure-dict params (the inverse of `_nnx_tree`)."""
+  if kind == "LSTMCell":
+    W = [_np(tree[n]["kernel"]).T for n in ("ii", "if_", "ig", "io")]
+    R = [_np(tree[f"h{q}"]["kernel"]).T for q in _LSTM_GATES]
+    bW = [_np(tree[f"h{q}"]["bias"]) for q in _LSTM_GATES]
+  else:
+    for name in ("dense_i", "dense_h"):
+      if _np(tree[name]["kernel"]).shape[-1] != g * units:
+        raise ValueError(name)
+    W = np.split(_np(tree["dense_i"]["kernel"]).T, g)
+    R = np.split(_np(tree["dense_h"]["kernel"]).T, g)
+    bias = tree["dense_h" if kind == "OptimizedLSTMCell" else "dense_i"]["bias"]
+    bW = np.split(_np(bias), g)
+  if any(r.shape != (units, units) for r in R):
+    raise ValueError("R")
+  return W, R, bW, [np.zeros_like(b) for b in bW]
+
+
+def to_flax_nnx_cells(spec, params, cell: str | None = None) -> list[list[Any]]:
+  """Flax nnx cell modules `[layer][direction]` holding the weights of `params`.
+
+  `cell`: "LSTMCell" (default) or "OptimizedLSTMCell" for an LSTM; GRUs give
+  `nnx.GRUCell`, which has no recurrent bias on the n gate, so a GRU whose
+  recurrent n bias is nonzero is refused (the linen cells can hold it);
+  RNNs give `nnx.SimpleCell` with the matching activation. Run them with
+  `nnx.RNN(cell)` (the backward direction with `reverse=True, keep_order=True`).
+  """
+  from flax import nnx
+  kind = _nnx_cell_kind(spec, cell)
+  out = [[None] * spec.num_dirs for _ in range(spec.num_layers)]
+  for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
+    W = _identity_inputs(spec) if W is None else W
+    module = flax_nnx_cell(spec, layer, kind)
+    state = nnx.state(module, nnx.Param)
+    tree = _nnx_tree(kind, W, R, bW, bR, f"layer {layer}, direction {d}")
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map(lambda a: a.astype(spec.dtype), tree))
+    nnx.update(module, state)
+    out[layer][d] = module
+  return out
+
+
+def from_flax_nnx_cells(spec, cells: Sequence[Sequence[Any]]):
+  """An opaque buffer from Flax nnx cells `[layer][direction]`: modules, or their
+  `nnx.to_pure_dict(nnx.state(cell, nnx.Param))` trees."""
+  from flax import nnx
+  g = spec.num_gates
+  per = {}
+  for layer in range(spec.num_layers):
+    for d in range(spec.num_dirs):
+      c = cells[layer][d]
+      where = f"cells[{layer}][{d}]"
+      if isinstance(c, nnx.Module):
+        if getattr(c, "residual", False):
+          raise ValueError(f"{where} is a residual SimpleCell (h' = h + ...): not an RNN of "
+                           f"{spec.rnn_mode}")
+        tree = nnx.to_pure_dict(nnx.state(c, nnx.Param))
+      else:
+        tree = c
+      kind = "LSTMCell" if spec.rnn_mode == "lstm" and "ii" in tree else \
+          _NNX_CELLS[spec.rnn_mode][-1]
+      try:
+        W, R, bW, bR = _from_nnx_tree(kind, tree, g, spec.num_units)
+      except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{where} has params {sorted(tree)} with shapes that are not those of "
+                         f"a Flax nnx cell of {spec.rnn_mode} "
+                         f"(one of {_NNX_CELLS[spec.rnn_mode]}, {spec.num_units} features)"
+                         ) from None
+      if not spec.layer_has_input_weights(layer):
+        _check_skip_identity(spec, W, where)
       per[layer, d] = (W, R, bW, bR)
   return _from_per_direction(spec, per)
 

@@ -96,6 +96,98 @@ def test_flax_cells_refuse_wrong_cell():
     interop.flax_linen_cell(jcr.CudnnLSTM(1, 4, 3), "GRUCell")
 
 
+def _nnx_expressible_params(spec, seed=0):
+  """Random params; for GRU the recurrent n-gate biases zeroed (nnx.GRUCell has none)."""
+  params = spec.init_params(jax.random.key(seed))
+  if spec.rnn_mode != "gru":
+    return params
+  weights, biases = spec.params_to_canonical(params)
+  biases = [jnp.zeros_like(b) if i % 6 == 5 else b for i, b in enumerate(biases)]
+  return spec.canonical_to_params(weights, biases)
+
+
+def _run_nnx_cells(spec, cells, x_batch_major, h0, c0, seq_lengths):
+  """The model as stacked `flax.nnx.RNN`s over the given cells `[layer][direction]`."""
+  from flax import nnx
+  x, hs, cs = x_batch_major, [], []
+  for layer in range(spec.num_layers):
+    outs = []
+    for d in range(spec.num_dirs):
+      s = layer * spec.num_dirs + d
+      carry = (c0[s], h0[s]) if spec.has_cell_state else h0[s]
+      rnn = nnx.RNN(cells[layer][d], return_carry=True, reverse=d == 1, keep_order=True)
+      carry, y = rnn(x, initial_carry=carry, seq_lengths=seq_lengths)
+      outs.append(y)
+      hs.append(carry[1] if spec.has_cell_state else carry)
+      cs.append(carry[0] if spec.has_cell_state else None)
+    x = jnp.concatenate(outs, axis=-1)
+  return x, jnp.stack(hs), (jnp.stack(cs) if spec.has_cell_state else None)
+
+
+NNX_CONFIGS = [(cls, d, m, cell) for cls, d, m in CONFIGS
+               for cell in (("LSTMCell", "OptimizedLSTMCell") if cls is jcr.CudnnLSTM else (None,))]
+
+
+@pytest.mark.parametrize("cls,direction,mode,cell", NNX_CONFIGS)
+def test_flax_nnx_cells_give_our_outputs_and_convert_back(cls, direction, mode, cell):
+  pytest.importorskip("flax.nnx")
+  spec = _spec(cls, direction, mode)
+  params = _nnx_expressible_params(spec)
+  cells = interop.to_flax_nnx_cells(spec, params, cell)
+  assert type(cells[0][0]).__name__ == (cell or {"gru": "GRUCell"}.get(spec.rnn_mode, "SimpleCell"))
+  x, h, c = random_inputs(spec, 6, 3)
+  lengths = np.array([6, 3, 1])
+  for seq_lengths in (None, lengths):
+    y, hn, cn = call(spec, x, h, c, params, is_training=False, seq_lengths=seq_lengths)
+    ry, rh, rc = _run_nnx_cells(spec, cells, np.swapaxes(x, 0, 1), h, c, seq_lengths)
+    ry = np.swapaxes(ry, 0, 1)
+    if seq_lengths is not None:  # Flax leaves the padding unspecified; ours is zero.
+      ry = np.where(np.arange(6)[:, None, None] < lengths[None, :, None], ry, 0.0)
+    np.testing.assert_allclose(y, ry, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(hn, rh, rtol=1e-10, atol=1e-12)
+    if cn is not None:
+      np.testing.assert_allclose(cn, rc, rtol=1e-10, atol=1e-12)
+  # Back from the modules: the same function, matrices exactly.
+  back = interop.from_flax_nnx_cells(spec, cells)
+  for u, v in zip(call(spec, x, h, c, params), call(spec, x, h, c, back)):
+    if u is not None:
+      np.testing.assert_allclose(u, v, rtol=1e-12, atol=1e-12)
+  for w1, w2 in zip(spec.params_to_canonical(params)[0], spec.params_to_canonical(back)[0]):
+    np.testing.assert_array_equal(w1, w2)
+
+
+def test_flax_nnx_cells_from_pure_dicts_and_refusals():
+  nnx = pytest.importorskip("flax.nnx")
+  gru = jcr.CudnnGRU(1, 4, 3, dtype=jnp.float64)
+  with pytest.raises(ValueError, match="no recurrent bias on the n gate"):
+    interop.to_flax_nnx_cells(gru, gru.init_params(jax.random.key(0)))
+  params = _nnx_expressible_params(gru)
+  modules = interop.to_flax_nnx_cells(gru, params)
+  trees = [[nnx.to_pure_dict(nnx.state(c, nnx.Param)) for c in row] for row in modules]
+  np.testing.assert_array_equal(interop.from_flax_nnx_cells(gru, trees),
+                                interop.from_flax_nnx_cells(gru, modules))
+  # The GRU's r, z biases come back summed into the input side; n keeps its input bias.
+  _, biases = gru.params_to_canonical(interop.from_flax_nnx_cells(gru, trees))
+  _, original = gru.params_to_canonical(params)
+  np.testing.assert_allclose(biases[0], original[0] + original[3], rtol=1e-15)
+  np.testing.assert_array_equal(biases[2], original[2])
+  np.testing.assert_array_equal(biases[3], 0.0)
+  lstm = jcr.CudnnLSTM(1, 4, 3, dtype=jnp.float64)
+  with pytest.raises(ValueError, match="not those of a Flax nnx cell of gru"):
+    interop.from_flax_nnx_cells(gru, interop.to_flax_nnx_cells(lstm, lstm.init_params(
+        jax.random.key(0)), "OptimizedLSTMCell"))
+  with pytest.raises(ValueError, match="cell must be one of"):
+    interop.to_flax_nnx_cells(lstm, lstm.init_params(jax.random.key(0)), "GRUCell")
+  tanh = jcr.CudnnRNNTanh(1, 4, 3, dtype=jnp.float64)
+  residual = nnx.SimpleCell(3, 4, residual=True, rngs=nnx.Rngs(0), param_dtype=jnp.float64)
+  with pytest.raises(ValueError, match="residual"):
+    interop.from_flax_nnx_cells(tanh, [[residual]])
+  skip = jcr.CudnnRNNTanh(1, 4, 4, input_mode="skip_input", dtype=jnp.float64)
+  with pytest.raises(ValueError, match="skip_input"):
+    interop.from_flax_nnx_cells(skip, [[nnx.SimpleCell(4, 4, rngs=nnx.Rngs(0),
+                                                       param_dtype=jnp.float64)]])
+
+
 def _keras():
   os.environ.setdefault("KERAS_BACKEND", "jax")
   return pytest.importorskip("keras")
