@@ -16,6 +16,9 @@ wraps them in a `custom_vjp` whose residual is cuDNN's reserve space.
   JAX-drawn masks as the "xla" path (`_dropout`); without dropout all layers
   are one call.
 - `vmap` of the custom calls is sequential (one call per vmapped element).
+- Reverse mode only: cuDNN has no forward-mode derivative, and JAX refuses
+  `jvp` of a `custom_vjp`; forward mode on a GPU takes `implementation="xla"`
+  (the README says so). Not verified on a GPU yet.
 """
 
 from __future__ import annotations
