@@ -15,6 +15,10 @@ wraps them in a `custom_vjp` whose residual is cuDNN's reserve space.
 - Inter-layer dropout runs each layer as its own fused call, with the same
   JAX-drawn masks as the "xla" path (`_dropout`); without dropout all layers
   are one call.
+- The opaque buffer is handed to cuDNN as is when cuDNN's reported weight
+  layout equals `_layout`'s (expected; a GPU test checks it), and gathered into
+  cuDNN's layout otherwise (`cudnn_order`), so a differing cuDNN still gives
+  right values and gradients.
 - `vmap` of the custom calls is sequential (one call per vmapped element).
 - Reverse mode only: cuDNN has no forward-mode derivative, and JAX refuses
   `jvp` of a `custom_vjp`; forward mode on a GPU takes `implementation="xla"`
@@ -180,6 +184,19 @@ def query_sizes(cfg: Config, dtype: np.dtype, steps: int, batch: int) -> dict:
               reserve_space=out[3])
 
 
+def supports(spec, steps: int, batch: int, time_major: bool) -> tuple[bool, str]:
+  """Whether this cuDNN accepts `spec` at this size (a cuDNN may lack a data
+  type, e.g. bfloat16 RNNs): `(True, "")`, or `(False, cuDNN's reason)`."""
+  cfg = Config(spec.rnn_mode, spec.num_layers, spec.num_units, spec.input_size,
+               spec.num_dirs == 2, spec.input_mode == "skip_input", not time_major,
+               _allow_tf32(), False)
+  try:
+    query_sizes(cfg, spec.dtype, steps, batch)
+  except ValueError as e:
+    return False, str(e)
+  return True, ""
+
+
 def weight_layout(spec) -> np.ndarray:
   """`[pseudo_layers, 2g, 5]` int64 rows from `cudnnGetRNNWeightParams`.
 
@@ -271,10 +288,49 @@ def _layer_params(spec, params, layer: int):
   return jnp.concatenate(pieces)
 
 
-def _run_fused(spec, num_layers, input_size, skip_input, x, h0, c0, params, lengths,
-               has_lengths, time_major):
-  cfg = Config(spec.rnn_mode, num_layers, spec.num_units, input_size, spec.num_dirs == 2,
-               skip_input, not time_major, _allow_tf32(), has_lengths)
+def _layer_spec(spec, layer: int):
+  """The one-layer spec whose buffer `_layer_params(spec, ., layer)` is."""
+  skip = spec.input_mode == "skip_input" and layer == 0
+  return dataclasses.replace(spec, num_layers=1, input_size=spec.layer_input_size(layer),
+                             input_mode="skip_input" if skip else "linear_input", dropout=0.0)
+
+
+@functools.lru_cache(maxsize=256)
+def cudnn_order(spec) -> np.ndarray | None:
+  """Indices that gather an opaque buffer (`_layout`'s analytic layout) into the
+  layout cuDNN reports through `cudnnGetRNNWeightParams`; None when the two are
+  the same (the expected case, which the GPU tests check).
+
+  This keeps results right even on a cuDNN whose layout departs from the
+  analytic one: the gather is differentiable, so gradients come back in the
+  analytic layout.
+  """
+  rows = weight_layout(spec)
+  weights, biases = _layout.tensors(spec)
+  size = _layout.params_size(spec)
+  order = np.full(size, -1, np.int64)
+  for t in (*weights, *biases):
+    row = rows[t.layer * spec.num_dirs + t.direction, t.index]
+    offset, shape = (row[0], (row[1], row[2])) if t.kind == "weight" else (row[3], (row[4],))
+    if offset < 0 or tuple(int(n) for n in shape) != t.shape or offset + t.size > size:
+      raise RuntimeError(f"cuDNN places {_layout.tensor_name(spec, t)} of {spec} at offset "
+                         f"{offset} with shape {tuple(shape)}; expected shape {t.shape} inside "
+                         f"a buffer of {size} elements")
+    order[offset:offset + t.size] = np.arange(t.offset, t.offset + t.size)
+  if (order < 0).any() or len(np.unique(order)) != size:
+    raise RuntimeError(f"cuDNN's weight layout for {spec} does not cover the opaque buffer "
+                       "exactly once")
+  return None if (order == np.arange(size)).all() else order
+
+
+def _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major):
+  """`spec`'s layers as one fused call (`spec` may be a `_layer_spec`)."""
+  cfg = Config(spec.rnn_mode, spec.num_layers, spec.num_units, spec.input_size,
+               spec.num_dirs == 2, spec.input_mode == "skip_input", not time_major,
+               _allow_tf32(), has_lengths)
+  order = cudnn_order(spec)
+  if order is not None:
+    params = params[order]
   cell = c0 if c0 is not None else jnp.zeros((0,), x.dtype)
   y, h, c = _fused(cfg, x, h0, cell, params, lengths)
   return y, h, (c if c0 is not None else None)
@@ -289,18 +345,16 @@ def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None, apply_dr
     lengths = jnp.maximum(seq_lengths, 1)
   else:
     lengths = jnp.full((batch,), steps, jnp.int32)
-  skip = spec.input_mode == "skip_input"
   if not apply_dropout:
-    y, h, c = _run_fused(spec, spec.num_layers, spec.input_size, skip, x, h0, c0, params,
-                         lengths, has_lengths, time_major)
+    y, h, c = _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major)
   else:
     D = spec.num_dirs
     hs, cs, y = [], [], x
     for layer in range(spec.num_layers):
       sl = slice(layer * D, (layer + 1) * D)
-      y, h, c = _run_fused(spec, 1, spec.layer_input_size(layer), skip and layer == 0, y,
-                           h0[sl], None if c0 is None else c0[sl],
-                           _layer_params(spec, params, layer), lengths, has_lengths, time_major)
+      y, h, c = _run_fused(_layer_spec(spec, layer), y, h0[sl],
+                           None if c0 is None else c0[sl], _layer_params(spec, params, layer),
+                           lengths, has_lengths, time_major)
       hs.append(h)
       cs.append(c)
       if layer < spec.num_layers - 1:

@@ -20,8 +20,10 @@ R_0..R_{g-1}`, each row-major `[num_units, in]`); then all biases, in the same
 order. That is exactly the canonical order, so the opaque buffer is the
 concatenation of the flattened weights followed by the biases: packing and
 unpacking are a concatenation and static slices. The GPU test
-`tests/test_cudnn_layout.py` checks these offsets against
-`cudnnGetRNNWeightParams` for every mode, direction and input mode.
+`test_analytic_layout_equals_cudnn` (tests/test_cudnn.py) checks these offsets
+against `cudnnGetRNNWeightParams` for every mode, direction and input mode;
+should a cuDNN version lay the buffer out otherwise, `_cudnn.cudnn_order`
+gathers it into cuDNN's layout before each call, so results stay right.
 """
 
 from __future__ import annotations

@@ -126,6 +126,8 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     dropout_key = _check_key(dropout_key)
 
   backend = resolve_implementation(implementation)
+  if backend == "auto" and not _cudnn.supports(spec, steps, batch, bool(time_major))[0]:
+    backend = "xla"  # e.g. a data type this cuDNN lacks: None means "the best that runs"
   options = dict(seq_lengths=lengths, dropout_key=dropout_key, apply_dropout=apply_dropout,
                  time_major=bool(time_major))
   xla = lambda *a: _xla.rnn(spec, *a, **options)

@@ -89,6 +89,20 @@ def test_half_precision(cls, dtype):
     assert "cuDNN rejected" in str(e) and dtype == jnp.bfloat16, e
 
 
+def test_default_implementation_runs_every_dtype():
+  """implementation=None uses cuDNN where it accepts the dtype and XLA where it does not."""
+  for dtype in (jnp.float16, jnp.bfloat16):
+    spec = jcr.CudnnGRU(1, 8, 4, dtype=dtype)
+    params = spec.init_params(jax.random.key(0))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3, 4)), dtype)
+    supported, why = _cudnn.supports(spec, 5, 3, True)
+    hlo = jax.jit(lambda x, p: spec(x, None, p)).lower(x, params).as_text()
+    assert ("jcr_rnn_forward" in hlo) == supported, why
+    y = spec(x, None, params)[0]
+    ref = spec(x, None, params, implementation="xla")[0]
+    assert _rel_err(y, ref) < TOLERANCE[dtype], (dtype, _rel_err(y, ref))
+
+
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_dropout_matches_reference(cls):
   spec = cls(3, 8, 5, direction="bidirectional", dropout=0.5, dtype=jnp.float32)
@@ -115,6 +129,7 @@ def test_analytic_layout_equals_cudnn(cls, direction, mode):
         assert row[0] == -1 or row[1] * row[2] == 0, row
       else:
         assert (row[0], row[1], row[2]) == (t.offset, *t.shape), (t, row)
+  assert _cudnn.cudnn_order(spec) is None  # the buffer goes to cuDNN without a gather
   assert 4 * spec.params_size() == _cudnn.query_sizes(
       _cudnn.Config(spec.rnn_mode, 3, 6, spec.input_size, direction == "bidirectional",
                     mode == "skip_input", False, False, False), spec.dtype, 1, 1)["weight_space"]

@@ -3,9 +3,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _cudnn
+from jax_cudnn_rnn import _cudnn, _layout
 from helpers import random_canonical
 
 
@@ -36,3 +37,73 @@ def test_config_attributes_have_exact_ffi_types():
 def test_availability_explains_itself():
   available, why = _cudnn.availability()
   assert available or why
+
+
+def _layer_major_rows(spec):
+  """`weight_layout` rows for a hypothetical cuDNN that stores each pseudo-layer's
+  matrices then its biases before the next pseudo-layer (not the analytic layout)."""
+  g, H, D = spec.num_gates, spec.num_units, spec.num_dirs
+  rows = np.zeros((spec.num_layers * D, 2 * g, 5), np.int64)
+  offset = 0
+  for p in range(spec.num_layers * D):
+    layer = p // D
+    for lin in range(2 * g):
+      if lin < g and not spec.layer_has_input_weights(layer):
+        rows[p, lin, :3] = (-1, 0, 0)
+        continue
+      cols = spec.layer_input_size(layer) if lin < g else H
+      rows[p, lin, :3] = (offset, H, cols)
+      offset += H * cols
+    for lin in range(2 * g):
+      rows[p, lin, 3:] = (offset, H)
+      offset += H
+  return rows
+
+
+def test_cudnn_order_gathers_into_a_differing_cudnn_layout(monkeypatch):
+  spec = jcr.CudnnGRU(2, 3, 3, input_mode="skip_input", direction="bidirectional",
+                      dtype=jnp.float64)
+  weights, biases = random_canonical(spec)
+  params = spec.canonical_to_params(weights, biases)
+  rows = _layer_major_rows(spec)
+  monkeypatch.setattr(_cudnn, "weight_layout", lambda s: rows)
+  _cudnn.cudnn_order.cache_clear()
+  try:
+    order = _cudnn.cudnn_order(spec)
+    assert order is not None
+    cudnn_buffer = np.asarray(params)[order]
+    w_entries, b_entries = _layout.tensors(spec)
+    for array, t in zip((*weights, *biases), (*w_entries, *b_entries)):
+      row = rows[t.layer * 2 + t.direction, t.index]
+      start = row[0] if t.kind == "weight" else row[3]
+      np.testing.assert_array_equal(cudnn_buffer[start:start + t.size], np.ravel(array))
+    # A layout equal to the analytic one needs no gather.
+    analytic = np.zeros_like(rows)
+    for t in w_entries:
+      analytic[t.layer * 2 + t.direction, t.index, :3] = (t.offset, *t.shape)
+    analytic[0, :3, :3] = (-1, 0, 0)
+    for t in b_entries:
+      analytic[t.layer * 2 + t.direction, t.index, 3:] = (t.offset, t.shape[0])
+    monkeypatch.setattr(_cudnn, "weight_layout", lambda s: analytic)
+    _cudnn.cudnn_order.cache_clear()
+    assert _cudnn.cudnn_order(spec) is None
+    # Overlapping placements are refused, not silently used.
+    broken = analytic.copy()
+    broken[1, 0, 3] = broken[1, 1, 3]
+    monkeypatch.setattr(_cudnn, "weight_layout", lambda s: broken)
+    _cudnn.cudnn_order.cache_clear()
+    with pytest.raises(RuntimeError, match="exactly once"):
+      _cudnn.cudnn_order(spec)
+  finally:
+    _cudnn.cudnn_order.cache_clear()
+
+
+def test_layer_spec_describes_the_layer_buffer():
+  spec = jcr.CudnnLSTM(3, 4, 4, input_mode="skip_input", direction="bidirectional",
+                       dropout=0.5, dtype=jnp.float64)
+  params = spec.init_params(jax.random.key(0))
+  for layer in range(3):
+    single = _cudnn._layer_spec(spec, layer)
+    assert single.num_layers == 1 and single.dropout == 0.0
+    assert single.input_mode == ("skip_input" if layer == 0 else "linear_input")
+    assert _cudnn._layer_params(spec, params, layer).shape == (single.params_size(),)

@@ -31,8 +31,11 @@ void MathFor(const RnnKey& key, cudnnDataType_t* math_prec, cudnnMathType_t* mat
       *math_type = CUDNN_DEFAULT_MATH;
       return;
     case CUDNN_DATA_FLOAT:
+      // DEFAULT lets cuDNN use TF32 tensor cores; FMA forbids them. Not
+      // TENSOR_OP_MATH_ALLOW_CONVERSION: for float RNNs that down-converts
+      // weights and intermediate results to half precision.
       *math_prec = CUDNN_DATA_FLOAT;
-      *math_type = key.attrs.allow_tf32 ? CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION : CUDNN_FMA_MATH;
+      *math_type = key.attrs.allow_tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH;
       return;
     default:  // half and bfloat16: accumulate in float32, on tensor cores
       *math_prec = CUDNN_DATA_FLOAT;
