@@ -78,12 +78,13 @@ def _gru_cell(xp, rec, h, c, coefficients):
     return h_new, c, ()
   # dh' = (1-z) dn + (h-n) dz + z dh, with dn = (1-n^2)(dx_n + dr r_n + r dr_n),
   # dr = r(1-r)(dx_r + drec_r), dz = z(1-z)(dx_z + drec_z).
+  # The input part is multiplied by K = [k_r, k_z, k_n], the recurrent part by
+  # the same with k_n * r in the last block (formed in the tangent loop, so
+  # that only K, r and z are kept per step).
   k_n = (1 - n * n) * (1 - z)
   k_r = k_n * r * (1 - r) * r_n
   k_z = z * (1 - z) * (h - n)
-  Kx = jnp.concatenate([k_r, k_z, k_n], -1)   # multiplies the input part
-  Kr = jnp.concatenate([k_r, k_z, k_n * r], -1)  # multiplies the recurrent part
-  return h_new, c, (Kx, Kr, z)
+  return h_new, c, (jnp.concatenate([k_r, k_z, k_n], -1), r, z)
 
 
 def _tanh_cell(xp, rec, h, c, coefficients):
@@ -168,8 +169,9 @@ def _layer_jvp(mode, primals, tangents):
         dc = u_i + u_f + u_g + f * dcs[d]
         dh = u_o + k_h * dc
       elif gru:
-        Kr, z = res_t[d]
-        dh = _blocksum(pre * Kr, 3) + z * dhs[d]
+        K, r, z = res_t[d]
+        u_r, u_z, u_n = jnp.split(pre * K, 3, axis=-1)
+        dh = u_r + u_z + u_n * r + z * dhs[d]
         if X_t[d] is not None:
           dh = dh + X_t[d]
         dc = None
@@ -184,9 +186,7 @@ def _layer_jvp(mode, primals, tangents):
   zeros_like = lambda t, p: jnp.zeros_like(p) if _zero(t) else t
   carry0 = (tuple(zeros_like(t, p) for t, p in zip(th0, h0)),
             tuple(zeros_like(t, p) for t, p in zip(tc0, c0)) if lstm else None)
-  # GRU's input coefficients were used above, outside the loop; the loop reads the rest.
-  loop_res = tuple(r[1:] for r in res) if gru else res
-  (dhT, dcT), dys = jax.lax.scan(tangent_step, carry0, (tuple(A), tuple(X), loop_res, valid))
+  (dhT, dcT), dys = jax.lax.scan(tangent_step, carry0, (tuple(A), tuple(X), res, valid))
   return (ys, hT, cT), (dys, dhT, dcT)
 
 
