@@ -214,7 +214,6 @@ def _nnx_cell_kind(spec, cell: str) -> str:
 def flax_nnx_cell(spec, layer: int, cell: str | None = None, *, rngs=None):
   """A Flax nnx cell module for `layer` of `spec` (its weights freshly initialised)."""
   from flax import nnx
-  import jax
   kind = _nnx_cell_kind(spec, cell)
   rngs = nnx.Rngs(0) if rngs is None else rngs
   kwargs = dict(param_dtype=spec.dtype, dtype=spec.dtype, rngs=rngs)
