@@ -103,6 +103,20 @@ def test_default_implementation_runs_every_dtype():
     assert _rel_err(y, ref) < TOLERANCE[dtype], (dtype, _rel_err(y, ref))
 
 
+def test_forward_mode_on_gpu_takes_the_xla_path():
+  """Documented: the cuDNN path is reverse mode only; jvp needs implementation="xla"."""
+  spec = jcr.CudnnGRU(1, 8, 4, dtype=jnp.float64)
+  params = spec.init_params(jax.random.key(0))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3, 4)))
+  f = lambda impl: lambda x: spec(x, None, params, implementation=impl)[0]
+  with pytest.raises(TypeError, match="custom_vjp"):
+    jax.jvp(f(None), (x,), (x,))
+  _, tangent = jax.jvp(f("xla"), (x,), (x,))
+  eps = 1e-6
+  numeric = (f("cudnn")(x + eps * x) - f("cudnn")(x - eps * x)) / (2 * eps)
+  assert _rel_err(tangent, numeric) < 1e-6
+
+
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_dropout_matches_reference(cls):
   spec = cls(3, 8, 5, direction="bidirectional", dropout=0.5, dtype=jnp.float32)
