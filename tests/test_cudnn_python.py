@@ -107,3 +107,20 @@ def test_layer_spec_describes_the_layer_buffer():
     assert single.num_layers == 1 and single.dropout == 0.0
     assert single.input_mode == ("skip_input" if layer == 0 else "linear_input")
     assert _cudnn._layer_params(spec, params, layer).shape == (single.params_size(),)
+
+
+def test_default_implementation_falls_back_to_xla_where_cudnn_rejects_the_config(monkeypatch):
+  """On a machine where cuDNN can run but rejects this configuration (say, a data type
+  it lacks), implementation=None runs the XLA path instead of failing."""
+  spec = jcr.CudnnGRU(1, 4, 3, dtype=jnp.float64)
+  params = spec.init_params(jax.random.key(0))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 2, 3)))
+  asked = []
+  monkeypatch.setattr(_cudnn, "availability", lambda: (True, ""))
+  monkeypatch.setattr(_cudnn, "supports", lambda *a: asked.append(a) or (False, "no bf16 here"))
+  monkeypatch.setattr(_cudnn, "rnn", lambda *a, **k: pytest.fail("the cuDNN path was traced"))
+  y, h = spec(x, None, params)
+  assert asked == [(spec, 5, 2, True)]
+  y_ref, h_ref = spec(x, None, params, implementation="xla")
+  np.testing.assert_array_equal(y, y_ref)
+  np.testing.assert_array_equal(h, h_ref)
