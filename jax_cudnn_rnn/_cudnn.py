@@ -148,6 +148,13 @@ class Config:
                 allow_tf32=np.bool_(self.allow_tf32),
                 has_seq_lengths=np.bool_(self.has_seq_lengths))
 
+  @classmethod
+  def of(cls, spec, time_major: bool, has_seq_lengths: bool) -> "Config":
+    """The configuration that runs all of `spec`'s layers in one call."""
+    return cls(spec.rnn_mode, spec.num_layers, spec.num_units, spec.input_size,
+               spec.num_dirs == 2, spec.input_mode == "skip_input", not time_major,
+               _allow_tf32(), has_seq_lengths)
+
   @property
   def num_states(self) -> int:
     return self.num_layers * (2 if self.bidirectional else 1)
@@ -187,9 +194,7 @@ def query_sizes(cfg: Config, dtype: np.dtype, steps: int, batch: int) -> dict:
 def supports(spec, steps: int, batch: int, time_major: bool) -> tuple[bool, str]:
   """Whether this cuDNN accepts `spec` at this size (a cuDNN may lack a data
   type, e.g. bfloat16 RNNs): `(True, "")`, or `(False, cuDNN's reason)`."""
-  cfg = Config(spec.rnn_mode, spec.num_layers, spec.num_units, spec.input_size,
-               spec.num_dirs == 2, spec.input_mode == "skip_input", not time_major,
-               _allow_tf32(), False)
+  cfg = Config.of(spec, time_major, has_seq_lengths=False)
   try:
     query_sizes(cfg, spec.dtype, steps, batch)
   except ValueError as e:
@@ -325,9 +330,7 @@ def cudnn_order(spec) -> np.ndarray | None:
 
 def _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major):
   """`spec`'s layers as one fused call (`spec` may be a `_layer_spec`)."""
-  cfg = Config(spec.rnn_mode, spec.num_layers, spec.num_units, spec.input_size,
-               spec.num_dirs == 2, spec.input_mode == "skip_input", not time_major,
-               _allow_tf32(), has_lengths)
+  cfg = Config.of(spec, time_major, has_lengths)
   order = cudnn_order(spec)
   if order is not None:
     params = params[order]
