@@ -322,7 +322,9 @@ def cudnn_order(spec) -> np.ndarray | None:
                          f"{offset} with shape {tuple(shape)}; expected shape {t.shape} inside "
                          f"a buffer of {size} elements")
     order[offset:offset + t.size] = np.arange(t.offset, t.offset + t.size)
-  if (order < 0).any() or len(np.unique(order)) != size:
+  # Every analytic element is placed once, so a position left unfilled means two
+  # tensors overlap (or cuDNN leaves a gap).
+  if (order < 0).any():
     raise RuntimeError(f"cuDNN's weight layout for {spec} does not cover the opaque buffer "
                        "exactly once")
   return None if (order == np.arange(size)).all() else order
