@@ -1,15 +1,23 @@
-"""The built native library exports every FFI handler and query entry point.
+"""The built native library: it exports every FFI handler and query entry
+point, and (on the CPU, through `JcrRnnCheckInputs`) its handlers decode the
+attributes Python sends and refuse bad input with an error.
 
 Finds the library from JCR_NATIVE_LIBRARY (CI sets it to the CMake build
 output) or in the installed package; skipped only when neither exists.
 """
 
 import ctypes
+import dataclasses
 import os
 import pathlib
+import re
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _cudnn
 
 
@@ -27,5 +35,128 @@ def test_library_exports_every_handler():
   assert path.exists(), f"JCR_NATIVE_LIBRARY={path} does not exist"
   _cudnn._preload_cudnn_wheel()
   lib = ctypes.CDLL(str(path))
-  for symbol in (*_cudnn.TARGETS.values(), "JcrRnnQuerySizes", "JcrRnnWeightLayout"):
+  for symbol in (*_cudnn.TARGETS.values(), "JcrRnnQuerySizes", "JcrRnnWeightLayout",
+                 "JcrRnnCheckInputs"):
     assert getattr(lib, symbol) is not None, symbol
+
+
+# -- the handlers' attribute decoding and input checks, run on the CPU ------------
+#
+# `JcrRnnCheckInputs` decodes the cuDNN handlers' attribute dictionary and runs
+# their input checks (xla_ffi/rnn_input_check.cc). Called exactly as `_cudnn`
+# calls the forward handlers (operands, zero-size cell state, `Config.attrs()`),
+# it proves on a machine without a GPU that the handlers read what Python sends,
+# and that bad input comes back as an error rather than a crash.
+
+CHECK_TARGET = "jcr_rnn_check_inputs"
+REPORT_FIELDS = ("cell_mode", "num_layers", "hidden_size", "input_size", "bidirectional",
+                 "skip_input", "batch_major", "allow_tf32", "has_seq_lengths", "steps", "batch",
+                 "cudnn_type")
+
+
+@pytest.fixture(scope="module")
+def check_inputs():
+  path = _library_path()
+  if path is None:
+    pytest.skip("the native library was not built on this machine")
+  _cudnn._preload_cudnn_wheel()
+  lib = ctypes.CDLL(str(path))
+  jax.ffi.register_ffi_target(CHECK_TARGET, jax.ffi.pycapsule(lib.JcrRnnCheckInputs),
+                              platform="cpu")
+
+  def run(cfg, x, h0, c0, params, lengths):
+    cell = c0 if c0 is not None else jnp.zeros((0,), x.dtype)
+    call = jax.ffi.ffi_call(CHECK_TARGET, jax.ShapeDtypeStruct((len(REPORT_FIELDS),), jnp.int64))
+    with jax.enable_x64():
+      report = call(x, h0, cell, params, lengths, **cfg.attrs())
+    return dict(zip(REPORT_FIELDS, np.asarray(report).tolist()))
+
+  return run
+
+
+def _operands(spec, T, B, time_major, dtype=None):
+  dtype = dtype or spec.dtype
+  S = spec.num_layers * spec.num_dirs
+  shape = (T, B, spec.input_size) if time_major else (B, T, spec.input_size)
+  x = jnp.ones(shape, dtype)
+  h0 = jnp.zeros((S, B, spec.num_units), dtype)
+  c0 = jnp.zeros((S, B, spec.num_units), dtype) if spec.has_cell_state else None
+  params = jnp.zeros((spec.params_size(),), dtype)
+  return x, h0, c0, params
+
+
+@pytest.mark.parametrize("cls,direction,input_mode,time_major,has_lengths", [
+    (jcr.CudnnLSTM, "unidirectional", "linear_input", True, False),
+    (jcr.CudnnLSTM, "bidirectional", "skip_input", False, True),
+    (jcr.CudnnGRU, "bidirectional", "linear_input", False, False),
+    (jcr.CudnnGRU, "unidirectional", "skip_input", True, True),
+    (jcr.CudnnRNNTanh, "bidirectional", "linear_input", True, True),
+    (jcr.CudnnRNNRelu, "unidirectional", "skip_input", False, False),
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64, jnp.float16, jnp.bfloat16])
+def test_handlers_decode_what_python_sends(check_inputs, cls, direction, input_mode, time_major,
+                                           has_lengths, dtype):
+  spec = cls(3, 6, 6 if input_mode == "skip_input" else 4, input_mode=input_mode,
+             direction=direction, dtype=dtype)
+  T, B = 5, 2
+  cfg = _cudnn.Config.of(spec, time_major, has_lengths)
+  lengths = jnp.array([5, 2], jnp.int32)
+  report = check_inputs(cfg, *_operands(spec, T, B, time_major), lengths)
+  assert report == dict(
+      cell_mode={"lstm": 2, "gru": 3, "rnn_tanh": 1, "rnn_relu": 0}[spec.rnn_mode],  # cudnnRNNMode_t
+      num_layers=3, hidden_size=6, input_size=spec.input_size,
+      bidirectional=int(direction == "bidirectional"), skip_input=int(input_mode == "skip_input"),
+      batch_major=int(not time_major), allow_tf32=int(cfg.allow_tf32),
+      has_seq_lengths=int(has_lengths), steps=T, batch=B,
+      # The handler's type (from the buffer) is the one the size query sends from Python.
+      cudnn_type=_cudnn.CUDNN_DATA_TYPES[np.dtype(dtype)])
+
+
+def test_allow_tf32_follows_jax_matmul_precision(check_inputs):
+  spec = jcr.CudnnGRU(1, 4, 3)
+  operands = _operands(spec, 2, 1, True)
+  lengths = jnp.array([2], jnp.int32)
+  with jax.default_matmul_precision("highest"):
+    assert check_inputs(_cudnn.Config.of(spec, True, False), *operands, lengths)["allow_tf32"] == 0
+  with jax.default_matmul_precision("tensorfloat32"):
+    assert check_inputs(_cudnn.Config.of(spec, True, False), *operands, lengths)["allow_tf32"] == 1
+
+
+def _bad_inputs():
+  """(case name, spec, operand changes, expected fragment of the handler's error)."""
+  lstm = jcr.CudnnLSTM(2, 6, 4)
+  gru = jcr.CudnnGRU(1, 6, 4, direction="bidirectional")
+  return [
+      ("hx wrong batch", lstm, dict(h0=jnp.zeros((2, 3, 6))), "hx must have shape [2, 2, 6], got [2, 3, 6]"),
+      ("hx bidirectional count", gru, dict(h0=jnp.zeros((1, 2, 6))), "hx must have shape [2, 2, 6], got [1, 2, 6]"),
+      ("x wrong features", lstm, dict(x=jnp.ones((5, 2, 3))), "x must have shape [5, 2, 4], got [5, 2, 3]"),
+      ("x rank", lstm, dict(x=jnp.ones((5, 8))), "x must have rank 3, got shape [5, 8]"),
+      ("x integer", lstm, dict(x=jnp.ones((5, 2, 4), jnp.int32)), "x must be float16, bfloat16, float32 or float64"),
+      ("hx type", lstm, dict(h0=jnp.zeros((2, 2, 6), jnp.float16)), "hx must have x's element type float32, got float16"),
+      ("weights type", gru, dict(params=jnp.zeros((10,), jnp.float64)), "weights must have x's element type float32, got float64"),
+      ("LSTM without a cell state", lstm, dict(c0=jnp.zeros((0,))), "cx must have shape [2, 2, 6], got [0]"),
+      ("GRU with a cell state", gru, dict(c0=jnp.zeros((2, 2, 6))), "cx must be empty for a model without a cell state"),
+      ("lengths shape", gru, dict(lengths=jnp.array([5, 5, 5], jnp.int32)), "seq_lengths must have shape [2], got [3]"),
+      ("length 0", gru, dict(lengths=jnp.array([5, 0], jnp.int32), has_lengths=True), "seq_lengths[1] = 0 is outside [1, 5]"),
+      ("length past T", lstm, dict(lengths=jnp.array([6, 1], jnp.int32), has_lengths=True), "seq_lengths[0] = 6 is outside [1, 5]"),
+      ("hidden size 0", gru, dict(cfg=dict(hidden_size=0)), "hidden_size=0"),
+      ("cell mode", gru, dict(cfg=dict(rnn_mode="bogus")), "cell_mode=7"),
+      ("skip_input sizes", lstm, dict(cfg=dict(skip_input=True)), "skip_input needs input_size == hidden_size, got input_size=4, hidden_size=6"),
+  ]
+
+
+@pytest.mark.parametrize("name,spec,changes,message", _bad_inputs(), ids=[c[0] for c in _bad_inputs()])
+def test_handlers_refuse_bad_input_with_an_error(check_inputs, name, spec, changes, message,
+                                                  monkeypatch):
+  x, h0, c0, params = _operands(spec, 5, 2, True)
+  operands = dict(x=x, h0=h0, c0=c0, params=params, lengths=jnp.array([5, 5], jnp.int32))
+  operands.update({k: v for k, v in changes.items() if k in operands})
+  cfg = _cudnn.Config.of(spec, True, changes.get("has_lengths", False))
+  if "cfg" in changes:
+    if changes["cfg"].get("rnn_mode") == "bogus":
+      monkeypatch.setitem(_cudnn.CELL_MODES, "bogus", 7)
+    cfg = dataclasses.replace(cfg, **changes["cfg"])
+  with pytest.raises(Exception, match=re.escape(message)) as info:
+    check_inputs(cfg, operands["x"], operands["h0"], operands["c0"], operands["params"],
+                 operands["lengths"])
+  assert "JaxRuntimeError" in type(info.value).__name__ or "XlaRuntimeError" in type(info.value).__name__

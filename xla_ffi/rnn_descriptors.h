@@ -14,22 +14,10 @@
 
 #include <cudnn.h>
 
+#include "rnn_attrs.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jcr {
-
-// Attributes shared by the forward and backward handlers (one dictionary).
-struct RnnAttrs {
-  int64_t cell_mode;    // cudnnRNNMode_t: 0 relu, 1 tanh, 2 lstm, 3 gru
-  int64_t num_layers;
-  int64_t hidden_size;
-  int64_t input_size;
-  bool bidirectional;
-  bool skip_input;
-  bool batch_major;     // x and y are [B, T, F] instead of [T, B, F]
-  bool allow_tf32;      // float32 only: may cuDNN use TF32 tensor cores
-  bool has_seq_lengths; // false: every sequence has T steps, no host sync
-};
 
 struct RnnKey {
   RnnAttrs attrs;
@@ -93,10 +81,6 @@ class RnnDescriptors {
 
 // Number of gates (linear layers per side) of a cuDNN cell mode.
 int NumGates(int64_t cell_mode);
-
-// Output feature size: hidden_size times the number of directions.
-inline int64_t OutputSize(const RnnAttrs& a) { return a.hidden_size * (a.bidirectional ? 2 : 1); }
-inline int64_t NumStates(const RnnAttrs& a) { return a.num_layers * (a.bidirectional ? 2 : 1); }
 
 }  // namespace jcr
 

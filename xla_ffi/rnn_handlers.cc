@@ -23,19 +23,9 @@
 
 #include "handle_pool.h"
 #include "rnn_descriptors.h"
+#include "rnn_input_checks.h"
 #include "status.h"
 #include "xla/ffi/api/ffi.h"
-
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    jcr::RnnAttrs, ::xla::ffi::StructMember<int64_t>("cell_mode"),
-    ::xla::ffi::StructMember<int64_t>("num_layers"),
-    ::xla::ffi::StructMember<int64_t>("hidden_size"),
-    ::xla::ffi::StructMember<int64_t>("input_size"),
-    ::xla::ffi::StructMember<bool>("bidirectional"),
-    ::xla::ffi::StructMember<bool>("skip_input"),
-    ::xla::ffi::StructMember<bool>("batch_major"),
-    ::xla::ffi::StructMember<bool>("allow_tf32"),
-    ::xla::ffi::StructMember<bool>("has_seq_lengths"));
 
 namespace jcr {
 namespace {
@@ -43,53 +33,6 @@ namespace {
 namespace ffi = ::xla::ffi;
 using ffi::AnyBuffer;
 using ffi::Error;
-
-std::string DimsString(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-Error CheckDims(const char* name, const AnyBuffer& buffer, std::vector<int64_t> expected) {
-  auto dims = buffer.dimensions();
-  bool same = dims.size() == expected.size();
-  for (size_t i = 0; same && i < expected.size(); ++i) same = dims[i] == expected[i];
-  if (!same) {
-    return Error::InvalidArgument(std::string(name) + " must have shape " +
-                                  DimsString(ffi::Span<const int64_t>(expected.data(), expected.size())) +
-                                  ", got " + DimsString(dims));
-  }
-  return Error::Success();
-}
-
-Error ToCudnnType(ffi::DataType type, cudnnDataType_t* out) {
-  switch (type) {
-    case ffi::DataType::F16:
-      *out = CUDNN_DATA_HALF;
-      return Error::Success();
-    case ffi::DataType::BF16:
-      *out = CUDNN_DATA_BFLOAT16;
-      return Error::Success();
-    case ffi::DataType::F32:
-      *out = CUDNN_DATA_FLOAT;
-      return Error::Success();
-    case ffi::DataType::F64:
-      *out = CUDNN_DATA_DOUBLE;
-      return Error::Success();
-    default:
-      return Error::InvalidArgument("RNN data must be float16, bfloat16, float32 or float64, got "
-                                    "XLA element type " + std::to_string(static_cast<int>(type)));
-  }
-}
-
-Error CheckSameType(const char* name, const AnyBuffer& buffer, ffi::DataType type) {
-  if (buffer.element_type() != type) {
-    return Error::InvalidArgument(std::string(name) + " must have the element type of x (" +
-                                  std::to_string(static_cast<int>(type)) + "), got " +
-                                  std::to_string(static_cast<int>(buffer.element_type())));
-  }
-  return Error::Success();
-}
 
 // What every handler needs before calling cuDNN: a handle on the stream, the
 // cached descriptors, and the data descriptors for these sequence lengths.
@@ -101,54 +44,18 @@ struct Call {
   RnnDataDescriptor y_with_lengths;
   cudnnRNNDataDescriptor_t x_desc = nullptr;
   cudnnRNNDataDescriptor_t y_desc = nullptr;
-  std::vector<int64_t> x_dims, y_dims, state_dims;
-  bool lstm = false;
+  InputShapes shapes;
 };
 
-// Validates `x`-like data, the initial state and the weights against `attrs`,
-// and fills `call`. `x_dims_source` is x or dx (the [T, B, in] side) and
-// `y_dims_source` y or dy; only their shapes are read.
+// Checks `x_like` (x or dx: only its shape and type are read), the initial
+// state, the weights and the lengths against `attrs` (`CheckInputs`, then the
+// weight-space size cuDNN reports), and fills `call`.
 Error Prepare(cudaStream_t stream, const RnnAttrs& attrs, const AnyBuffer& x_like,
               const AnyBuffer& hx, const AnyBuffer& weights,
               const ffi::Buffer<ffi::S32>& seq_lengths, Call* call) {
-  const ffi::DataType type = x_like.element_type();
-  cudnnDataType_t cudnn_type;
-  JCR_RETURN_IF_ERROR(ToCudnnType(type, &cudnn_type));
-  auto x_dims = x_like.dimensions();
-  if (x_dims.size() != 3) {
-    return Error::InvalidArgument("x must have rank 3, got " + DimsString(x_dims));
-  }
-  const int64_t steps = attrs.batch_major ? x_dims[1] : x_dims[0];
-  const int64_t batch = attrs.batch_major ? x_dims[0] : x_dims[1];
-  if (steps < 1 || batch < 1) {
-    return Error::InvalidArgument("x must have at least one step and one sequence, got " +
-                                  DimsString(x_dims));
-  }
-  if (attrs.num_layers < 1 || attrs.hidden_size < 1 || attrs.input_size < 1 ||
-      attrs.cell_mode < CUDNN_RNN_RELU || attrs.cell_mode > CUDNN_GRU) {
-    return Error::InvalidArgument("invalid RNN attributes: cell_mode=" +
-                                  std::to_string(attrs.cell_mode) + " num_layers=" +
-                                  std::to_string(attrs.num_layers) + " hidden_size=" +
-                                  std::to_string(attrs.hidden_size) + " input_size=" +
-                                  std::to_string(attrs.input_size));
-  }
-  auto seq_dims = seq_lengths.dimensions();
-  if (seq_dims.size() != 1 || seq_dims[0] != batch) {
-    return Error::InvalidArgument("seq_lengths must have shape [" + std::to_string(batch) +
-                                  "], got " + DimsString(seq_dims));
-  }
-  call->lstm = attrs.cell_mode == CUDNN_LSTM;
-  call->x_dims = attrs.batch_major ? std::vector<int64_t>{batch, steps, attrs.input_size}
-                                   : std::vector<int64_t>{steps, batch, attrs.input_size};
-  call->y_dims = attrs.batch_major ? std::vector<int64_t>{batch, steps, OutputSize(attrs)}
-                                   : std::vector<int64_t>{steps, batch, OutputSize(attrs)};
-  call->state_dims = {NumStates(attrs), batch, attrs.hidden_size};
-  JCR_RETURN_IF_ERROR(CheckDims("x", x_like, call->x_dims));
-  JCR_RETURN_IF_ERROR(CheckDims("hx", hx, call->state_dims));
-  JCR_RETURN_IF_ERROR(CheckSameType("hx", hx, type));
-  JCR_RETURN_IF_ERROR(CheckSameType("weights", weights, type));
-
-  call->key = RnnKey{attrs, cudnn_type, steps, batch};
+  JCR_RETURN_IF_ERROR(CheckInputs(attrs, x_like, hx, weights, seq_lengths, &call->shapes));
+  const int64_t steps = call->shapes.steps, batch = call->shapes.batch;
+  call->key = RnnKey{attrs, call->shapes.cudnn_type, steps, batch};
   JCR_RETURN_IF_ERROR(BorrowedHandle::Borrow(stream, &call->handle));
   JCR_RETURN_IF_ERROR(GetRnnDescriptors(call->handle.get(), call->key, &call->desc));
   if (weights.size_bytes() != call->desc->sizes().weight_space) {
@@ -169,27 +76,11 @@ Error Prepare(cudaStream_t stream, const RnnAttrs& attrs, const AnyBuffer& x_lik
                                            lengths.size() * sizeof(int32_t),
                                            cudaMemcpyDeviceToHost, stream));
   JCR_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream));
-  for (size_t b = 0; b < lengths.size(); ++b) {
-    if (lengths[b] < 1 || lengths[b] > steps) {
-      return Error::InvalidArgument("seq_lengths[" + std::to_string(b) + "] = " +
-                                    std::to_string(lengths[b]) + " is outside [1, " +
-                                    std::to_string(steps) + "]");
-    }
-  }
+  JCR_RETURN_IF_ERROR(CheckLengths(lengths.data(), batch, steps));
   JCR_RETURN_IF_ERROR(call->x_with_lengths.Set(call->key, attrs.input_size, lengths));
   JCR_RETURN_IF_ERROR(call->y_with_lengths.Set(call->key, OutputSize(attrs), lengths));
   call->x_desc = call->x_with_lengths.get();
   call->y_desc = call->y_with_lengths.get();
-  return Error::Success();
-}
-
-// Cell-state buffers: state-shaped for an LSTM, zero elements otherwise.
-Error CheckCellState(const Call& call, const char* name, const AnyBuffer& buffer) {
-  if (call.lstm) return CheckDims(name, buffer, call.state_dims);
-  if (buffer.element_count() != 0) {
-    return Error::InvalidArgument(std::string(name) + " must be empty for a model without a "
-                                  "cell state, got " + DimsString(buffer.dimensions()));
-  }
   return Error::Success();
 }
 
@@ -213,10 +104,10 @@ Error ForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, AnyBuffer 
                   const RnnAttrs& attrs) {
   Call call;
   JCR_RETURN_IF_ERROR(Prepare(stream, attrs, x, hx, weights, seq_lengths, &call));
-  JCR_RETURN_IF_ERROR(CheckDims("y", *y, call.y_dims));
-  JCR_RETURN_IF_ERROR(CheckDims("hy", *hy, call.state_dims));
-  JCR_RETURN_IF_ERROR(CheckCellState(call, "cx", cx));
-  JCR_RETURN_IF_ERROR(CheckCellState(call, "cy", *cy));
+  JCR_RETURN_IF_ERROR(CheckBuffer("y", *y, call.shapes.y_dims, call.shapes));
+  JCR_RETURN_IF_ERROR(CheckBuffer("hy", *hy, call.shapes.state_dims, call.shapes));
+  JCR_RETURN_IF_ERROR(CheckCellState("cx", cx, call.shapes));
+  JCR_RETURN_IF_ERROR(CheckCellState("cy", *cy, call.shapes));
   const RnnSizes& sizes = call.desc->sizes();
   if (kTraining && reserve_bytes < sizes.reserve_space) {
     return Error::InvalidArgument("reserve_space has " + std::to_string(reserve_bytes) +
@@ -230,7 +121,7 @@ Error ForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, AnyBuffer 
       kTraining ? CUDNN_FWD_MODE_TRAINING : CUDNN_FWD_MODE_INFERENCE, seq_lengths.typed_data(),
       call.x_desc, x.untyped_data(), call.y_desc, y->untyped_data(), call.desc->state(),
       hx.untyped_data(), hy->untyped_data(), call.desc->state(),
-      call.lstm ? cx.untyped_data() : nullptr, call.lstm ? cy->untyped_data() : nullptr,
+      call.shapes.lstm ? cx.untyped_data() : nullptr, call.shapes.lstm ? cy->untyped_data() : nullptr,
       weights.size_bytes(), weights.untyped_data(),
       kTraining ? sizes.workspace_training : sizes.workspace_inference, workspace,
       kTraining ? sizes.reserve_space : 0, kTraining ? reserve : nullptr));
@@ -262,13 +153,13 @@ Error BackwardData(cudaStream_t stream, ffi::ScratchAllocator scratch, AnyBuffer
                    RnnAttrs attrs) {
   Call call;
   JCR_RETURN_IF_ERROR(Prepare(stream, attrs, *dx, hx, weights, seq_lengths, &call));
-  JCR_RETURN_IF_ERROR(CheckDims("y", y, call.y_dims));
-  JCR_RETURN_IF_ERROR(CheckDims("dy", dy, call.y_dims));
-  JCR_RETURN_IF_ERROR(CheckDims("dhy", dhy, call.state_dims));
-  JCR_RETURN_IF_ERROR(CheckDims("dhx", *dhx, call.state_dims));
-  JCR_RETURN_IF_ERROR(CheckCellState(call, "cx", cx));
-  JCR_RETURN_IF_ERROR(CheckCellState(call, "dcy", dcy));
-  JCR_RETURN_IF_ERROR(CheckCellState(call, "dcx", *dcx));
+  JCR_RETURN_IF_ERROR(CheckBuffer("y", y, call.shapes.y_dims, call.shapes));
+  JCR_RETURN_IF_ERROR(CheckBuffer("dy", dy, call.shapes.y_dims, call.shapes));
+  JCR_RETURN_IF_ERROR(CheckBuffer("dhy", dhy, call.shapes.state_dims, call.shapes));
+  JCR_RETURN_IF_ERROR(CheckBuffer("dhx", *dhx, call.shapes.state_dims, call.shapes));
+  JCR_RETURN_IF_ERROR(CheckCellState("cx", cx, call.shapes));
+  JCR_RETURN_IF_ERROR(CheckCellState("dcy", dcy, call.shapes));
+  JCR_RETURN_IF_ERROR(CheckCellState("dcx", *dcx, call.shapes));
   const RnnSizes& sizes = call.desc->sizes();
   if (reserve_in.size_bytes() < sizes.reserve_space ||
       reserve_out->size_bytes() != reserve_in.size_bytes()) {
@@ -288,8 +179,8 @@ Error BackwardData(cudaStream_t stream, ffi::ScratchAllocator scratch, AnyBuffer
       call.handle.get(), call.desc->rnn(), seq_lengths.typed_data(), call.y_desc, y.untyped_data(),
       dy.untyped_data(), call.x_desc, dx->untyped_data(), call.desc->state(), hx.untyped_data(),
       dhy.untyped_data(), dhx->untyped_data(), call.desc->state(),
-      call.lstm ? cx.untyped_data() : nullptr, call.lstm ? dcy.untyped_data() : nullptr,
-      call.lstm ? dcx->untyped_data() : nullptr, weights.size_bytes(), weights.untyped_data(),
+      call.shapes.lstm ? cx.untyped_data() : nullptr, call.shapes.lstm ? dcy.untyped_data() : nullptr,
+      call.shapes.lstm ? dcx->untyped_data() : nullptr, weights.size_bytes(), weights.untyped_data(),
       sizes.workspace_training, workspace, sizes.reserve_space, reserve_out->untyped_data()));
   return Error::Success();
 }
@@ -300,7 +191,7 @@ Error BackwardWeights(cudaStream_t stream, ffi::ScratchAllocator scratch, AnyBuf
                       RnnAttrs attrs) {
   Call call;
   JCR_RETURN_IF_ERROR(Prepare(stream, attrs, x, hx, *dweights, seq_lengths, &call));
-  JCR_RETURN_IF_ERROR(CheckDims("y", y, call.y_dims));
+  JCR_RETURN_IF_ERROR(CheckBuffer("y", y, call.shapes.y_dims, call.shapes));
   const RnnSizes& sizes = call.desc->sizes();
   if (reserve_space.size_bytes() < sizes.reserve_space) {
     return Error::InvalidArgument("reserve_space has " +
