@@ -1,0 +1,159 @@
+"""A pure-JAX model of the native handlers' contract, for testing `_cudnn`'s
+Python side (custom_vjp, residuals, per-layer dropout calls, zero lengths,
+layouts, vmap) on a machine without a GPU.
+
+It stands in for `jax.ffi.ffi_call` and `_cudnn.query_sizes`, and answers each
+of the four targets the way cuDNN's calls are documented to behave, computed
+with the plain-scan reference (`_reference.rnn`):
+
+- forward inference: `x, hx, cx, weights, seq_lengths -> y, hy, cy`;
+- forward training: the same plus a reserve space. cuDNN keeps there what its
+  backward passes need and are not given; the model keeps `x, hx, cx, weights`;
+- backward data: `y, dy, hx, dhy, cx, dcy, weights, seq_lengths, reserve ->
+  dx, dhx, dcx, reserve`, reading `x` from the reserve and writing `dy, dhy,
+  dcy` into the returned one (cuDNN updates it in place for the weights pass);
+- backward weights: `x, hx, y, seq_lengths, reserve -> dweights`, reading the
+  cell state, the weights and the cotangents from the reserve and `x`, `hx`
+  from its operands.
+
+Attributes are decoded back into a `_cudnn.Config` from the dictionary
+Python sends, so they must describe the call; every declared result shape and
+dtype, the `vmap` method and the reserve's input/output alias are checked. This proves the Python plumbing right given a right native library;
+the native library itself is tested against the same reference on a GPU
+(`test_cudnn.py`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import _cudnn, _layout, _reference
+
+SPECS = {"lstm": jcr.CudnnLSTM, "gru": jcr.CudnnGRU, "rnn_tanh": jcr.CudnnRNNTanh,
+         "rnn_relu": jcr.CudnnRNNRelu}
+ALIASES = {"jcr_rnn_backward_data": {8: 3}}
+
+
+def config_of(attrs: dict) -> _cudnn.Config:
+  modes = {v: k for k, v in _cudnn.CELL_MODES.items()}
+  fields = {f.name for f in dataclasses.fields(_cudnn.Config)}
+  assert set(attrs) == fields - {"rnn_mode"} | {"cell_mode"}, attrs
+  assert all(isinstance(v, (np.int64, np.bool_)) for v in attrs.values()), attrs
+  return _cudnn.Config(modes[int(attrs["cell_mode"])], int(attrs["num_layers"]),
+                       int(attrs["hidden_size"]), int(attrs["input_size"]),
+                       bool(attrs["bidirectional"]), bool(attrs["skip_input"]),
+                       bool(attrs["batch_major"]), bool(attrs["allow_tf32"]),
+                       bool(attrs["has_seq_lengths"]))
+
+
+def spec_of(cfg: _cudnn.Config, dtype):
+  return SPECS[cfg.rnn_mode](
+      cfg.num_layers, cfg.hidden_size, cfg.input_size,
+      input_mode="skip_input" if cfg.skip_input else "linear_input",
+      direction="bidirectional" if cfg.bidirectional else "unidirectional", dtype=dtype)
+
+
+def _to_bytes(*arrays):
+  return jnp.concatenate([jax.lax.bitcast_convert_type(a.ravel(), jnp.uint8).ravel()
+                          for a in arrays])
+
+
+def _reserve_parts(cfg, dtype, x_shape):
+  """What the model's reserve space holds, in order: `(name, shape)`, all of
+  the call's dtype. The forward pass fills the first four, backward data the
+  cotangents."""
+  batch = x_shape[0] if cfg.batch_major else x_shape[1]
+  y_shape = x_shape[:2] + (cfg.hidden_size * (2 if cfg.bidirectional else 1),)
+  state = (cfg.num_states, batch, cfg.hidden_size)
+  cell = state if cfg.rnn_mode == "lstm" else (0,)
+  params = (_layout.params_size(spec_of(cfg, dtype)),)
+  return [("x", x_shape), ("h0", state), ("c0", cell), ("params", params), ("dy", y_shape),
+          ("dh", state), ("dc", cell)]
+
+
+def _reserve_size(cfg, dtype, x_shape):
+  return sum(int(np.prod(s)) for _, s in _reserve_parts(cfg, dtype, x_shape)) * np.dtype(
+      dtype).itemsize
+
+
+def _from_bytes(reserve, cfg, dtype, x_shape):
+  """The reserve's parts by name."""
+  out, at, size = {}, 0, np.dtype(dtype).itemsize
+  for name, shape in _reserve_parts(cfg, dtype, x_shape):
+    n = int(np.prod(shape)) * size
+    chunk = reserve[at:at + n].reshape(-1, size)
+    out[name] = jax.lax.bitcast_convert_type(chunk, dtype).reshape(shape)
+    at += n
+  return out
+
+
+class HandlerModel:
+  """Replaces `jax.ffi.ffi_call` and `_cudnn.query_sizes` (see the module docstring)."""
+
+  def __init__(self):
+    self.calls = collections.Counter()
+
+  def query_sizes(self, cfg, dtype, steps, batch):
+    spec = spec_of(cfg, dtype)
+    x_shape = (batch, steps, cfg.input_size) if cfg.batch_major else (steps, batch, cfg.input_size)
+    return dict(weight_space=_layout.params_size(spec) * np.dtype(dtype).itemsize,
+                workspace_inference=0, workspace_training=0,
+                reserve_space=_reserve_size(cfg, dtype, x_shape))
+
+  def ffi_call(self, target, result_shape_dtypes, *, vmap_method=None,
+               input_output_aliases=None, **unused):
+    assert vmap_method == "sequential", (target, vmap_method)
+    assert (input_output_aliases or {}) == ALIASES.get(target, {}), (target, input_output_aliases)
+    run = getattr(self, target)
+
+    def call(*operands, **attrs):
+      self.calls[target] += 1
+      results = run(config_of(attrs), *operands)
+      declared = (result_shape_dtypes if isinstance(result_shape_dtypes, (tuple, list))
+                  else (result_shape_dtypes,))
+      assert len(results) == len(declared), target
+      for got, want in zip(results, declared):
+        assert got.shape == want.shape and got.dtype == want.dtype, (target, got, want)
+      return results if isinstance(result_shape_dtypes, (tuple, list)) else results[0]
+
+    return call
+
+  # -- the four targets ------------------------------------------------------------
+
+  @staticmethod
+  def _run(cfg, x, h0, c0, params, lengths):
+    spec = spec_of(cfg, x.dtype)
+    lstm = cfg.rnn_mode == "lstm"
+    assert lstm or c0.shape == (0,), c0.shape  # no cell state: an empty buffer
+    y, h, c = _reference.rnn(spec, x, h0, c0 if lstm else None, params,
+                             seq_lengths=lengths if cfg.has_seq_lengths else None,
+                             time_major=not cfg.batch_major)
+    return y, h, (c if lstm else jnp.zeros((0,), x.dtype))
+
+  def jcr_rnn_forward_inference(self, cfg, x, h0, c0, params, lengths):
+    return self._run(cfg, x, h0, c0, params, lengths)
+
+  def jcr_rnn_forward_training(self, cfg, x, h0, c0, params, lengths):
+    y, h, c = self._run(cfg, x, h0, c0, params, lengths)
+    unfilled = sum(int(np.prod(s)) for _, s in _reserve_parts(cfg, x.dtype, x.shape)[4:])
+    return y, h, c, _to_bytes(x, h0, c0, params, jnp.zeros((unfilled,), x.dtype))
+
+  def jcr_rnn_backward_data(self, cfg, y, dy, h0, dh, c0, dc, params, lengths, reserve):
+    x_shape = (*y.shape[:2], cfg.input_size)
+    x = _from_bytes(reserve, cfg, y.dtype, x_shape)["x"]  # not an operand: cuDNN keeps it
+    _, vjp = jax.vjp(lambda x, h0, c0: self._run(cfg, x, h0, c0, params, lengths), x, h0, c0)
+    dx, dh0, dc0 = vjp((dy, dh, dc))
+    return dx, dh0, dc0, _to_bytes(x, h0, c0, params, dy, dh, dc)
+
+  def jcr_rnn_backward_weights(self, cfg, x, h0, y, lengths, reserve):
+    # Not operands here: the cell state, the weights and the cotangents.
+    kept = _from_bytes(reserve, cfg, x.dtype, x.shape)
+    _, vjp = jax.vjp(lambda p: self._run(cfg, x, h0, kept["c0"], p, lengths), kept["params"])
+    (dparams,) = vjp((kept["dy"], kept["dh"], kept["dc"]))
+    return (dparams,)
