@@ -124,10 +124,13 @@ def availability() -> tuple[bool, str]:
 
 
 def in_compiled(compiled) -> bool:
-  """Whether a compiled computation (`jax.jit(f).lower(...).compile()`, or its
-  HLO text) calls cuDNN's RNN: the proof that `implementation=None` picked it."""
+  """Whether a computation calls cuDNN's RNN: the proof that
+  `implementation=None` picked it. Takes a compiled computation
+  (`jax.jit(f).lower(...).compile()`), a lowered one (`.lower(...)`, for
+  instance for another platform: `.trace(...).lower(lowering_platforms=
+  ("cuda",))`), or the text of either (HLO or StableHLO)."""
   text = compiled if isinstance(compiled, str) else compiled.as_text()
-  return any(f'"{target}"' in text for target in TARGETS)
+  return any(f'"{target}"' in text or f"@{target}(" in text for target in TARGETS)
 
 
 # -- configuration and size queries ---------------------------------------------

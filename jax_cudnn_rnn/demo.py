@@ -111,6 +111,25 @@ def sample(model, params, prompt: bytes, length: int, temperature: float, seed: 
   return bytes(out).decode("utf-8", errors="replace")
 
 
+def make_steps(model: CharLM, optimizer):
+  """The jitted train step `(params, opt_state, x, y, key) -> (params, opt_state,
+  loss)` and the jitted evaluation loss `(params, x, y) -> loss` of `model`."""
+
+  def loss_fn(params, x, y, key, deterministic):
+    rngs = None if key is None else {"dropout": key}
+    logits, _ = model.apply({"params": params}, x, deterministic=deterministic, rngs=rngs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  @jax.jit
+  def train_step(params, opt_state, x, y, key):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y, key, False)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  eval_loss = jax.jit(lambda p, x, y: loss_fn(p, x, y, None, True))
+  return train_step, eval_loss
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jax_cudnn_rnn.demo", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,18 +166,7 @@ def main(argv=None) -> int:
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr))
   opt_state = optimizer.init(params)
 
-  def loss_fn(params, x, y, key, deterministic):
-    rngs = None if key is None else {"dropout": key}
-    logits, _ = model.apply({"params": params}, x, deterministic=deterministic, rngs=rngs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-  @jax.jit
-  def train_step(params, opt_state, x, y, key):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, y, key, False)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  eval_loss = jax.jit(lambda p, x, y: loss_fn(p, x, y, None, True))
+  train_step, eval_loss = make_steps(model, optimizer)
   vx, vy = next(batches(valid, 64, args.seq_len, args.seed + 1))
   first_eval = float(eval_loss(params, vx, vy))
   print(f"validation loss before training: {first_eval:.3f} (uniform would be {np.log(VOCAB):.3f})")

@@ -5,9 +5,12 @@ What this proves: given handlers that do what cuDNN's calls are documented to
 do, the "cudnn" implementation returns the reference's values and gradients
 through its `custom_vjp` (reserve space as the residual, updated by backward
 data and read by backward weights), its per-layer calls with dropout masks
-between them, its zero-length fix-up, both layouts and `vmap`. What it cannot
-prove: that the C++ handlers and cuDNN do that; `test_cudnn.py` checks those
-on a GPU.
+between them, its zero-length fix-up, both layouts and `vmap`. It also lowers
+`implementation=None` (the functional API, the demo's train step, an nnx module)
+for a CUDA device this machine lacks, and checks that it calls cuDNN there and
+the scan on the CPU. What it cannot prove: that the C++ handlers and cuDNN do
+what the model does, nor that XLA compiles the calls; `test_cudnn.py` checks
+those on a GPU.
 """
 
 import itertools
@@ -24,13 +27,21 @@ from helpers import SPEC_CLASSES, call, random_inputs
 
 
 @pytest.fixture
-def handlers(monkeypatch):
+def sizes(monkeypatch):
+  """cuDNN said to be available, with the model's sizes and the analytic layout;
+  the FFI calls themselves are left alone (they can be lowered, not run)."""
   model = HandlerModel()
-  monkeypatch.setattr(jax.ffi, "ffi_call", model.ffi_call)
   monkeypatch.setattr(_cudnn, "query_sizes", model.query_sizes)
-  monkeypatch.setattr(_cudnn, "cudnn_order", lambda spec: None)  # the analytic layout
+  monkeypatch.setattr(_cudnn, "cudnn_order", lambda spec: None)
   monkeypatch.setattr(_cudnn, "availability", lambda: (True, ""))
   return model
+
+
+@pytest.fixture
+def handlers(sizes, monkeypatch):
+  """As `sizes`, and the FFI calls answered by the model."""
+  monkeypatch.setattr(jax.ffi, "ffi_call", sizes.ffi_call)
+  return sizes
 
 
 def _inputs(spec, T, B, time_major):
@@ -115,3 +126,70 @@ def test_vmap_of_gradients(handlers):
 
   for a, b in zip(grad("cudnn"), grad("xla")):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+# -- implementation=None, lowered for a CUDA device and for the CPU -----------------
+#
+# `jax.jit(f).trace(...).lower(lowering_platforms=(...,))` lowers for a platform
+# this machine lacks. Lowered for CUDA, the default implementation must call
+# cuDNN and contain no scan; lowered for the CPU, the reverse. (Compiling and
+# running it for CUDA needs a GPU: `test_cudnn.py`, and the demo's own check.)
+
+
+def _lowered(f, *args, platform):
+  return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _assert_dispatch(f, *args, targets):
+  cuda, cpu = (_lowered(f, *args, platform=p) for p in ("cuda", "cpu"))
+  found = {t for t in _cudnn.TARGETS if f"@{t}(" in cuda}
+  assert found == set(targets), found
+  assert _cudnn.in_compiled(cuda) and "stablehlo.while" not in cuda
+  assert not _cudnn.in_compiled(cpu) and "stablehlo.while" in cpu
+
+
+TRAINING = ("jcr_rnn_forward_training", "jcr_rnn_backward_data", "jcr_rnn_backward_weights")
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_default_implementation_lowers_to_cudnn_for_cuda(sizes, cls):
+  spec = cls(2, 4, 3, direction="bidirectional", dropout=0.3)
+  x, h, c, params = _inputs(spec, 5, 2, False)
+  x, h, c = (None if a is None else a.astype(jnp.float32) for a in (x, h, c))
+  opts = dict(time_major=False, dropout_key=jax.random.key(0))
+
+  def loss(p):
+    return jnp.sum(call(spec, x, h, c, p, **opts)[0] ** 2)
+
+  _assert_dispatch(jax.grad(loss), params, targets=TRAINING)
+  infer = lambda p: call(spec, x, h, c, p, is_training=False, time_major=False)
+  _assert_dispatch(infer, params, targets=("jcr_rnn_forward_inference",))
+
+
+def test_demo_train_step_lowers_to_cudnn_for_cuda(sizes):
+  import optax
+  from jax_cudnn_rnn import demo
+
+  model = demo.CharLM(hidden=16, layers=2, dropout=0.1)
+  tokens = jnp.zeros((4, 8), jnp.int32)
+  params = model.init(jax.random.key(0), tokens)["params"]
+  optimizer = optax.adam(1e-3)
+  train_step, eval_loss = demo.make_steps(model, optimizer)
+  args = (params, optimizer.init(params), tokens, tokens, jax.random.key(1))
+  _assert_dispatch(train_step, *args, targets=TRAINING)
+  _assert_dispatch(eval_loss, params, tokens, tokens, targets=("jcr_rnn_forward_inference",))
+
+
+def test_nnx_module_lowers_to_cudnn_for_cuda(sizes):
+  from flax import nnx
+  from jax_cudnn_rnn import nnx as jcr_nnx
+
+  module = jcr_nnx.GRU(3, 5, num_layers=2, rngs=nnx.Rngs(0))
+  x = jnp.ones((2, 6, 3), jnp.float32)
+
+  def loss(module, x):
+    return jnp.sum(module(x) ** 2)
+
+  graphdef, state = nnx.split(module)
+  step = lambda state, x: jax.grad(lambda s: loss(nnx.merge(graphdef, s), x))(state)
+  _assert_dispatch(step, state, x, targets=TRAINING)
