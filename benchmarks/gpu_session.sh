@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_session.sh                  # build gpu-tests
 #   bash benchmarks/gpu_session.sh suite bench-full # any stages, in order
 #
-# Stages: build, gpu-tests, demo, suite (every test, on the GPU backend: the
+# Stages: build, gpu-tests (test_cudnn.py, plus the native library's CPU checks
+# and the cuDNN path's plumbing tests), demo, suite (every test, on the GPU backend: the
 # adapters and the demo then run cuDNN through implementation=None),
 # bench-quick, bench-full. A device command may run 10 minutes, so the stages
 # of one call share a budget (BUDGET seconds, default 570): each gets what is
@@ -51,22 +52,23 @@ run_stage() {
 for stage in "${stages[@]}"; do
   case "$stage" in
     build)
-      run_stage build bash -c "python3 -m pip install --no-build-isolation --no-deps -e . \
+      run_stage build bash -c "set -o pipefail; python3 -m pip install --no-build-isolation --no-deps -e . \
         -Ccmake.define.JCR_REQUIRE_CUDA=ON 2>&1 | tail -20 | tee '$out/build.log'"
       versions ;;
     gpu-tests)
-      run_stage gpu-tests bash -c "python3 -m pytest -m gpu -v -rs tests/test_cudnn.py 2>&1 \
+      run_stage gpu-tests bash -c "set -o pipefail; python3 -m pytest -v -rs tests/test_cudnn.py \
+        tests/test_native_library.py tests/test_cudnn_plumbing.py 2>&1 \
         | tee '$out/gpu-tests-$stamp.log' | tail -40" ;;
     demo)
-      run_stage demo bash -c "python3 -m jax_cudnn_rnn.demo 2>&1 | sed -u 's/\r/\n/g' \
+      run_stage demo bash -c "set -o pipefail; python3 -m jax_cudnn_rnn.demo 2>&1 | sed -u 's/\r/\n/g' \
         | tee '$out/demo-$stamp.log' | tail -25" ;;
     suite)
-      run_stage suite bash -c "python3 -m pytest -q -rf --deselect tests/test_cudnn.py 2>&1 \
+      run_stage suite bash -c "set -o pipefail; python3 -m pytest -q -rf --deselect tests/test_cudnn.py 2>&1 \
         | tee '$out/suite-$stamp.log' | tail -40" ;;
     bench-quick)
-      run_stage bench-quick bash -c "python3 benchmarks/run.py --quick --out-dir '$out' 2>&1 | tail -40" ;;
+      run_stage bench-quick bash -c "set -o pipefail; python3 benchmarks/run.py --quick --out-dir '$out' 2>&1 | tail -40" ;;
     bench-full)
-      run_stage bench-full bash -c "python3 benchmarks/run.py --out-dir '$out' 2>&1 | tail -60" ;;
+      run_stage bench-full bash -c "set -o pipefail; python3 benchmarks/run.py --out-dir '$out' 2>&1 | tail -60" ;;
     *)
       echo "unknown stage $stage (build, gpu-tests, demo, suite, bench-quick, bench-full)"
       exit 2 ;;

@@ -64,11 +64,14 @@ def check_inputs():
   jax.ffi.register_ffi_target(CHECK_TARGET, jax.ffi.pycapsule(lib.JcrRnnCheckInputs),
                               platform="cpu")
 
+  cpu = jax.devices("cpu")[0]  # also on a GPU machine, where the default device is the GPU
+
   def run(cfg, x, h0, c0, params, lengths):
     cell = c0 if c0 is not None else jnp.zeros((0,), x.dtype)
+    operands = jax.device_put((x, h0, cell, params, lengths), cpu)
     call = jax.ffi.ffi_call(CHECK_TARGET, jax.ShapeDtypeStruct((len(REPORT_FIELDS),), jnp.int64))
-    with jax.enable_x64():
-      report = call(x, h0, cell, params, lengths, **cfg.attrs())
+    with jax.enable_x64(), jax.default_device(cpu):
+      report = call(*operands, **cfg.attrs())
     return dict(zip(REPORT_FIELDS, np.asarray(report).tolist()))
 
   return run
