@@ -170,10 +170,20 @@ class Config:
     return self.num_layers * (2 if self.bidirectional else 1)
 
 
+# `jax_default_matmul_precision` values that ask float32 matmuls for float32
+# accuracy (or better): the legacy names, and the dot algorithm presets that
+# compute in float32 or emulate it with several passes. cuDNN's RNN then runs
+# with plain FMA math. Every other value (unset, "default", "high", "tensorfloat32",
+# one-pass TF32/BF16/F16/F8 presets) allows a TF32 pass.
+FULL_FLOAT32_PRECISIONS = frozenset({
+    "highest", "float32", "f32_f32_f32", "f64_f64_f64", "tf32_tf32_f32_x3",
+    "bf16_bf16_f32_x6", "bf16_bf16_f32_x9"})
+
+
 def _allow_tf32() -> bool:
   """TF32 only when JAX's default matmul precision allows it for float32."""
   precision = jax.config.jax_default_matmul_precision
-  return str(precision).lower() not in ("highest", "float32", "f32")
+  return precision is None or str(precision).lower() not in FULL_FLOAT32_PRECISIONS
 
 
 def _error_buffer():

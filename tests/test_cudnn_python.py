@@ -134,3 +134,14 @@ def test_in_compiled_finds_the_custom_calls_only():
   step = jax.jit(jax.grad(lambda p: spec(x, None, p, implementation="xla")[0].sum()))
   compiled = step.lower(spec.init_params(jax.random.key(0))).compile()
   assert not _cudnn.in_compiled(compiled)
+
+
+@pytest.mark.parametrize("precision,allowed", [
+    (None, True), ("default", True), ("high", True), ("tensorfloat32", True),
+    ("bfloat16", True), ("TF32_TF32_F32", True), ("BF16_BF16_F32", True),
+    ("highest", False), ("float32", False), ("F32_F32_F32", False), ("F64_F64_F64", False),
+    ("TF32_TF32_F32_X3", False), ("BF16_BF16_F32_X6", False), ("BF16_BF16_F32_X9", False)])
+def test_tf32_only_where_jax_matmul_precision_allows_it(precision, allowed):
+  with jax.default_matmul_precision(precision):
+    assert _cudnn._allow_tf32() is allowed
+    assert _cudnn.Config.of(jcr.CudnnLSTM(1, 4, 3), True, False).allow_tf32 is allowed
