@@ -30,7 +30,7 @@ versions() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
     python3 -c "import importlib.metadata as m; print('nvidia-cudnn-cu13', m.version('nvidia-cudnn-cu13'))"
-    python3 -c "from jax_cudnn_rnn import _cudnn; print('cudnn availability:', _cudnn.availability())"
+    python3 -c "from jax_cudnn_rnn import _cudnn; print('cudnn availability:', _cudnn.availability(), 'version:', _cudnn.cudnn_version())"
   } 2>&1 | tee "$out/versions.txt"
 }
 

@@ -260,6 +260,7 @@ def versions() -> dict:
       pass
   lib, _ = _cudnn._load()
   v["cudnn_native_library"] = lib is not None
+  v["cudnn"] = _cudnn.cudnn_version()  # the one our library runs on
   try:
     import torch
     if torch.backends.cudnn.is_available():

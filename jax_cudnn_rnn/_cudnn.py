@@ -113,6 +113,17 @@ def _registered_library():
   return lib
 
 
+def cudnn_version() -> str | None:
+  """The version of the cuDNN the native library runs on (e.g. "9.14.0"), or None
+  where the library is not built. Needs no GPU."""
+  lib, _ = _load()
+  if lib is None:
+    return None
+  lib.JcrCudnnVersion.restype = ctypes.c_size_t
+  v = int(lib.JcrCudnnVersion())
+  return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+
+
 def availability() -> tuple[bool, str]:
   """`(True, "")` when cuDNN can run the computation, else `(False, why)`."""
   lib, why = _load()

@@ -8,6 +8,7 @@ output) or in the installed package; skipped only when neither exists.
 
 import ctypes
 import dataclasses
+import importlib.metadata
 import os
 import pathlib
 import re
@@ -36,8 +37,22 @@ def test_library_exports_every_handler():
   _cudnn._preload_cudnn_wheel()
   lib = ctypes.CDLL(str(path))
   for symbol in (*_cudnn.TARGETS.values(), "JcrRnnQuerySizes", "JcrRnnWeightLayout",
-                 "JcrRnnCheckInputs"):
+                 "JcrRnnCheckInputs", "JcrCudnnVersion"):
     assert getattr(lib, symbol) is not None, symbol
+
+
+
+def test_library_reports_the_cudnn_it_loaded():
+  """`JcrCudnnVersion` is cudnnGetVersion() of the loaded cuDNN, the wheel's here."""
+  path = _library_path()
+  if path is None:
+    pytest.skip("the native library was not built on this machine")
+  wheel = importlib.metadata.version("nvidia-cudnn-cu13")
+  _cudnn._preload_cudnn_wheel()
+  lib = ctypes.CDLL(str(path))
+  lib.JcrCudnnVersion.restype = ctypes.c_size_t
+  v = int(lib.JcrCudnnVersion())
+  assert (v // 10000, v // 100 % 100) == tuple(int(n) for n in wheel.split(".")[:2]), (v, wheel)
 
 
 # -- the handlers' attribute decoding and input checks, run on the CPU ------------

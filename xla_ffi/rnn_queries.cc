@@ -5,6 +5,8 @@
 //                       output of static shape.
 //   JcrRnnWeightLayout  where cudnnGetRNNWeightParams puts every matrix and
 //                       bias, so tests can prove `_layout.py` equals it.
+//   JcrCudnnVersion     cudnnGetVersion() of the cuDNN this library loaded
+//                       (needs no GPU), for logs and benchmark records.
 //
 // Both return 0 on success; on failure they return 1 and write a message
 // (truncated to `error_size`) into `error`. Nothing throws across this ABI.
@@ -156,5 +158,8 @@ int JcrRnnWeightLayout(int64_t cell_mode, int64_t num_layers, int64_t hidden_siz
   return jcr::Report(jcr::WeightLayout(key, element_size, layout_out, capacity), error,
                      error_size);
 }
+
+// major * 10000 + minor * 100 + patch for cuDNN 9.
+size_t JcrCudnnVersion() { return cudnnGetVersion(); }
 
 }  // extern "C"
