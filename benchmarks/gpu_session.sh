@@ -31,6 +31,7 @@ versions() {
     python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
     python3 -c "import importlib.metadata as m; print('nvidia-cudnn-cu13', m.version('nvidia-cudnn-cu13'))"
     python3 -c "from jax_cudnn_rnn import _cudnn; print('cudnn availability:', _cudnn.availability(), 'version:', _cudnn.cudnn_version())"
+    python3 -c "from jax._src.lib import cuda_versions as v; print('cudnn loaded by jax:', v.cudnn_get_version() if v else None)"
   } 2>&1 | tee "$out/versions.txt"
 }
 
