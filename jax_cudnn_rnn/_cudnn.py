@@ -223,12 +223,23 @@ def query_sizes(cfg: Config, dtype: np.dtype, steps: int, batch: int) -> dict:
 
 
 def supports(spec, steps: int, batch: int, time_major: bool) -> tuple[bool, str]:
-  """Whether this cuDNN accepts `spec` at this size (a cuDNN may lack a data
-  type, e.g. bfloat16 RNNs): `(True, "")`, or `(False, cuDNN's reason)`."""
+  """Whether this cuDNN can run `spec` at this size: `(True, "")`, or `(False,
+  why)`. It cannot where it rejects the configuration (a cuDNN may lack a data
+  type, e.g. bfloat16 RNNs), or where its weight space is not the opaque buffer
+  `_layout` describes (a size or placement that `cudnn_order` cannot map), so
+  that `implementation=None` then runs the XLA path rather than failing."""
   cfg = Config.of(spec, time_major, has_seq_lengths=False)
   try:
-    query_sizes(cfg, spec.dtype, steps, batch)
+    sizes = query_sizes(cfg, spec.dtype, steps, batch)
   except ValueError as e:
+    return False, str(e)
+  expected = _layout.params_size(spec) * spec.dtype.itemsize
+  if sizes["weight_space"] != expected:
+    return False, (f"cuDNN's weight space for {spec} has {sizes['weight_space']} bytes, the "
+                   f"opaque buffer {expected}")
+  try:
+    cudnn_order(spec)
+  except RuntimeError as e:
     return False, str(e)
   return True, ""
 

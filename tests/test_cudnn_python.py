@@ -145,3 +145,25 @@ def test_tf32_only_where_jax_matmul_precision_allows_it(precision, allowed):
   with jax.default_matmul_precision(precision):
     assert _cudnn._allow_tf32() is allowed
     assert _cudnn.Config.of(jcr.CudnnLSTM(1, 4, 3), True, False).allow_tf32 is allowed
+
+
+def test_supports_refuses_a_weight_space_the_opaque_layout_does_not_describe(monkeypatch):
+  """A cuDNN whose weight space differs from `_layout`'s (in size, or in a placement
+  `cudnn_order` cannot map) is not used by implementation=None."""
+  spec = jcr.CudnnLSTM(1, 4, 4, input_mode="skip_input", dtype=jnp.float32)
+  right = spec.params_size() * 4
+  sizes = dict(weight_space=right, workspace_inference=0, workspace_training=0, reserve_space=8)
+  monkeypatch.setattr(_cudnn, "query_sizes", lambda *a: dict(sizes))
+  monkeypatch.setattr(_cudnn, "cudnn_order", lambda s: None)
+  assert _cudnn.supports(spec, 5, 2, True) == (True, "")
+  sizes["weight_space"] = right - 4 * 16  # say, no layer-0 input biases under skip_input
+  ok, why = _cudnn.supports(spec, 5, 2, True)
+  assert not ok and f"has {right - 64} bytes, the opaque buffer {right}" in why
+  sizes["weight_space"] = right
+
+  def overlapping(s):
+    raise RuntimeError("cuDNN's weight layout does not cover the opaque buffer exactly once")
+
+  monkeypatch.setattr(_cudnn, "cudnn_order", overlapping)
+  assert _cudnn.supports(spec, 5, 2, True) == (
+      False, "cuDNN's weight layout does not cover the opaque buffer exactly once")
