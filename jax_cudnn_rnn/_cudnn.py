@@ -19,7 +19,8 @@ wraps them in a `custom_vjp` whose residual is cuDNN's reserve space.
   layout equals `_layout`'s (expected; a GPU test checks it), and gathered into
   cuDNN's layout otherwise (`cudnn_order`), so a differing cuDNN still gives
   right values and gradients.
-- `vmap` of the custom calls is sequential (one call per vmapped element).
+- `vmap`: inference with shared weights folds the vmapped axis into cuDNN's
+  batch (one call, `_inference`); everything else is one call per element.
 - Reverse mode only: cuDNN has no forward-mode derivative, and JAX refuses
   `jvp` of a `custom_vjp`; forward mode on a GPU takes `implementation="xla"`
   (the README says so). Not verified on a GPU yet.
@@ -287,13 +288,57 @@ def _forward(cfg: Config, x, h0, c0, params, lengths, training: bool):
     raise ValueError(f"params has {params.size * params.dtype.itemsize} bytes but cuDNN's "
                      f"weight space for {cfg} has {sizes['weight_space']}: the analytic "
                      "layout in _layout.py disagrees with this cuDNN version")
-  outs = _shapes(cfg, x, h0, c0)
   if not training:
-    call = jax.ffi.ffi_call("jcr_rnn_forward_inference", outs, vmap_method="sequential")
-    return (*call(x, h0, c0, params, lengths, **cfg.attrs()), None)
+    return (*_inference(cfg)(x, h0, c0, params, lengths), None)
+  outs = _shapes(cfg, x, h0, c0)
   reserve = jax.ShapeDtypeStruct((sizes["reserve_space"],), jnp.uint8)
   call = jax.ffi.ffi_call("jcr_rnn_forward_training", (*outs, reserve), vmap_method="sequential")
   return call(x, h0, c0, params, lengths, **cfg.attrs())
+
+
+def _inference(cfg: Config):
+  """The inference call of `cfg`, `(x, h0, c0, params, lengths) -> (y, h, c)`.
+
+  Under `vmap` with shared weights the sequences of every vmapped element are
+  independent rows of one bigger batch, so they are folded into cuDNN's batch
+  axis: one call, not one per element (batch-major data folds without a copy;
+  time-major data and the states take a transpose). With vmapped weights it is
+  one call per element. Training calls stay one per element: their weight
+  gradients must be per element under `vmap(grad(...))`.
+  """
+
+  @jax.custom_batching.custom_vmap
+  def infer(x, h0, c0, params, lengths):
+    call = jax.ffi.ffi_call("jcr_rnn_forward_inference", _shapes(cfg, x, h0, c0),
+                            vmap_method="sequential")
+    return tuple(call(x, h0, c0, params, lengths, **cfg.attrs()))
+
+  @infer.def_vmap
+  def fold(axis_size, in_batched, x, h0, c0, params, lengths):
+    lstm = cfg.rnn_mode == "lstm"
+    if not lstm:
+      c0, in_batched = jnp.zeros((0,), x.dtype), (*in_batched[:2], False, *in_batched[3:])
+    args = [a if batched or (i == 2 and not lstm) else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for i, (a, batched) in enumerate(zip((x, h0, c0, params, lengths), in_batched))]
+    if in_batched[3]:  # per-element weights
+      cell = (lambda a: a[2]) if lstm else (lambda a: c0)
+      mapped = (*args[:2], args[2] if lstm else jnp.zeros((axis_size,)), *args[3:])
+      outs = jax.lax.map(lambda a: infer(a[0], a[1], cell(a), a[3], a[4]), mapped)
+      return outs, (True, True, True)
+    x, h0, c0, lengths = args[0], args[1], args[2], args[4]
+    V = axis_size
+    B = x.shape[1] if cfg.batch_major else x.shape[2]
+    merge = lambda a, axis: jnp.moveaxis(a, 0, axis).reshape(
+        a.shape[1:axis + 1] + (V * B,) + a.shape[axis + 2:])
+    split = lambda a, axis: jnp.moveaxis(
+        a.reshape(a.shape[:axis] + (V, B) + a.shape[axis + 1:]), axis, 0)
+    data_axis = 0 if cfg.batch_major else 1
+    y, h, c = infer(merge(x, data_axis), merge(h0, 1), merge(c0, 1) if lstm else c0, params,
+                    lengths.reshape(V * B))
+    return ((split(y, data_axis), split(h, 1), split(c, 1) if lstm else c),
+            (True, True, lstm))
+
+  return infer
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

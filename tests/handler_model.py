@@ -98,6 +98,7 @@ class HandlerModel:
 
   def __init__(self):
     self.calls = collections.Counter()
+    self.x_shapes = []  # the first operand's shape, per traced call
 
   def query_sizes(self, cfg, dtype, steps, batch):
     spec = spec_of(cfg, dtype)
@@ -114,6 +115,7 @@ class HandlerModel:
 
     def call(*operands, **attrs):
       self.calls[target] += 1
+      self.x_shapes.append(operands[0].shape)
       results = run(config_of(attrs), *operands)
       declared = (result_shape_dtypes if isinstance(result_shape_dtypes, (tuple, list))
                   else (result_shape_dtypes,))

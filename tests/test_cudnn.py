@@ -161,15 +161,27 @@ def test_default_implementation_uses_cudnn_on_gpu():
   assert not _cudnn.in_compiled(compiled("xla"))
 
 
-def test_vmap_of_cudnn_matches_loop():
-  spec = jcr.CudnnGRU(2, 8, 4, dtype=jnp.float32)
+@pytest.mark.parametrize("time_major", [True, False])
+def test_vmap_of_cudnn_matches_loop(time_major):
+  """Inference folds the vmapped axis into cuDNN's batch; gradients are per element."""
+  spec = jcr.CudnnLSTM(2, 8, 4, direction="bidirectional", dtype=jnp.float32)
   params = spec.init_params(jax.random.key(0))
   xs = jax.random.normal(jax.random.key(1), (3, 5, 2, 4))
+  if not time_major:
+    xs = jnp.swapaxes(xs, 1, 2)
+  lengths = jnp.array([[5, 1], [3, 4], [0, 5]], jnp.int32)
+  run = lambda x, n, p: spec(x, None, None, p, seq_lengths=n, time_major=time_major,
+                             implementation="cudnn")
+  loss = lambda p, x, n: jnp.sum(run(x, n, p)[0] ** 2)
   with jax.default_matmul_precision("highest"):
-    batched = jax.vmap(lambda x: spec(x, None, params, implementation="cudnn")[0])(xs)
+    batched = jax.jit(jax.vmap(lambda x, n: run(x, n, params)))(xs, lengths)
+    grads = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))(params, xs, lengths)
     for i in range(3):
-      single = spec(xs[i], None, params, implementation="cudnn")[0]
-      np.testing.assert_allclose(batched[i], single, rtol=1e-5, atol=1e-6)
+      single = run(xs[i], lengths[i], params)
+      for a, b in zip(batched, single):
+        np.testing.assert_allclose(a[i], b, rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(grads[i], jax.grad(loss)(params, xs[i], lengths[i]),
+                                 rtol=1e-5, atol=1e-6)
 
 
 def test_memory_is_flat_over_many_calls():

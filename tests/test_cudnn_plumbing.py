@@ -193,3 +193,62 @@ def test_nnx_module_lowers_to_cudnn_for_cuda(sizes):
   graphdef, state = nnx.split(module)
   step = lambda state, x: jax.grad(lambda s: loss(nnx.merge(graphdef, s), x))(state)
   _assert_dispatch(step, state, x, targets=TRAINING)
+
+
+@pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
+@pytest.mark.parametrize("time_major", [True, False])
+def test_vmapped_inference_with_shared_weights_is_one_folded_call(handlers, cls, time_major):
+  spec = cls(2, 4, 3, direction="bidirectional", dtype=jnp.float64)
+  V, T, B = 3, 5, 2
+  rng = np.random.default_rng(5)
+  xs = jnp.asarray(rng.normal(size=(V, T, B, 3) if time_major else (V, B, T, 3)))
+  hs = jnp.asarray(rng.normal(size=(V, 4, B, 4)))
+  lengths = jnp.array([[5, 2], [0, 3], [4, 5]], jnp.int32)
+  params = spec.init_params(jax.random.key(0))
+  c = None if not spec.has_cell_state else jnp.asarray(rng.normal(size=(4, B, 4)))  # shared
+
+  def infer(impl):
+    def one(x, h, n):
+      return call(spec, x, h, c, params, is_training=False, seq_lengths=n,
+                  time_major=time_major, implementation=impl)
+    return jax.jit(jax.vmap(one))(xs, hs, lengths)
+
+  got = infer("cudnn")
+  # custom_vmap traces the unbatched call once (for its type), then the fold rule
+  # makes the call that runs, on all V * B sequences (one call: see the lowering test).
+  folded = (T, V * B, 3) if time_major else (V * B, T, 3)
+  assert handlers.x_shapes[-1] == folded, handlers.x_shapes
+  for a, b in zip(got, infer("xla")):
+    if b is not None:
+      np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnRNNTanh])
+def test_vmapped_inference_with_vmapped_weights_is_a_call_per_element(handlers, cls):
+  spec = cls(1, 4, 3, dtype=jnp.float64)
+  x, h, c, _ = _inputs(spec, 5, 2, True)
+  params = jnp.stack([spec.init_params(jax.random.key(i)) for i in range(3)])
+
+  def infer(impl):
+    one = lambda p: call(spec, x, h, c, p, is_training=False, implementation=impl)
+    return jax.jit(jax.vmap(one))(params)
+
+  got = infer("cudnn")
+  assert set(handlers.x_shapes) == {(5, 2, 3)}  # unfolded: a call per element, in a loop
+  for a, b in zip(got, infer("xla")):
+    if b is not None:
+      np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_vmapped_inference_lowers_to_one_cudnn_call(sizes):
+  spec = jcr.CudnnGRU(2, 4, 3)
+  params = spec.init_params(jax.random.key(0))
+  xs = jnp.ones((4, 2, 5, 3), jnp.float32)
+  infer = jax.vmap(lambda x: spec(x, None, params, is_training=False, time_major=False)[0])
+  cuda = _lowered(infer, xs, platform="cuda")
+  assert cuda.count("@jcr_rnn_forward_inference(") == 1 and "stablehlo.while" not in cuda
+  # Per-element weights: the one call sits in a loop over the elements.
+  many = jnp.stack([params, 2 * params])
+  per_element = jax.vmap(lambda p: spec(xs[0], None, p, is_training=False, time_major=False)[0])
+  cuda = _lowered(per_element, many, platform="cuda")
+  assert cuda.count("@jcr_rnn_forward_inference(") == 1 and "stablehlo.while" in cuda
