@@ -314,29 +314,22 @@ def _inference(cfg: Config):
     return tuple(call(x, h0, c0, params, lengths, **cfg.attrs()))
 
   @infer.def_vmap
-  def fold(axis_size, in_batched, x, h0, c0, params, lengths):
-    lstm = cfg.rnn_mode == "lstm"
-    if not lstm:
-      c0, in_batched = jnp.zeros((0,), x.dtype), (*in_batched[:2], False, *in_batched[3:])
-    args = [a if batched or (i == 2 and not lstm) else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for i, (a, batched) in enumerate(zip((x, h0, c0, params, lengths), in_batched))]
-    if in_batched[3]:  # per-element weights
-      cell = (lambda a: a[2]) if lstm else (lambda a: c0)
-      mapped = (*args[:2], args[2] if lstm else jnp.zeros((axis_size,)), *args[3:])
-      outs = jax.lax.map(lambda a: infer(a[0], a[1], cell(a), a[3], a[4]), mapped)
-      return outs, (True, True, True)
-    x, h0, c0, lengths = args[0], args[1], args[2], args[4]
+  def fold(axis_size, in_batched, *args):
     V = axis_size
+    x, h0, c0, params, lengths = (a if batched else jnp.broadcast_to(a, (V, *a.shape))
+                                  for a, batched in zip(args, in_batched))
+    if in_batched[3]:  # per-element weights: a call each
+      return jax.lax.map(lambda a: infer(*a), (x, h0, c0, params, lengths)), (True,) * 3
+    lstm = cfg.rnn_mode == "lstm"  # else c0 is [V, 0]: no cell state
     B = x.shape[1] if cfg.batch_major else x.shape[2]
     merge = lambda a, axis: jnp.moveaxis(a, 0, axis).reshape(
         a.shape[1:axis + 1] + (V * B,) + a.shape[axis + 2:])
     split = lambda a, axis: jnp.moveaxis(
         a.reshape(a.shape[:axis] + (V, B) + a.shape[axis + 1:]), axis, 0)
     data_axis = 0 if cfg.batch_major else 1
-    y, h, c = infer(merge(x, data_axis), merge(h0, 1), merge(c0, 1) if lstm else c0, params,
-                    lengths.reshape(V * B))
-    return ((split(y, data_axis), split(h, 1), split(c, 1) if lstm else c),
-            (True, True, lstm))
+    y, h, c = infer(merge(x, data_axis), merge(h0, 1), merge(c0, 1) if lstm else c0[0],
+                    args[3], lengths.reshape(V * B))  # the shared weights
+    return (split(y, data_axis), split(h, 1), split(c, 1) if lstm else c), (True, True, lstm)
 
   return infer
 
