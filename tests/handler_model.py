@@ -18,8 +18,9 @@ with the plain-scan reference (`_reference.rnn`):
 
 Attributes are decoded back into a `_cudnn.Config` from the dictionary
 Python sends, so they must describe the call; every declared result shape and
-dtype, the `vmap` method and the reserve's input/output alias are checked. This proves the Python plumbing right given a right native library;
-the native library itself is tested against the same reference on a GPU
+dtype, the `vmap` method and the reserve's input/output alias are checked.
+This proves the Python plumbing right given a right native library; the
+native library itself is tested against the same reference on a GPU
 (`test_cudnn.py`).
 """
 
