@@ -390,7 +390,13 @@ def cudnn_order(spec) -> np.ndarray | None:
   analytic one: the gather is differentiable, so gradients come back in the
   analytic layout.
   """
-  rows = weight_layout(spec)
+  return order_from_layout(spec, weight_layout(spec))
+
+
+def order_from_layout(spec, rows: np.ndarray) -> np.ndarray | None:
+  """`cudnn_order` for the rows `weight_layout` reports (a pure function, so
+  that it can also judge rows cuDNN reported elsewhere): None where they are
+  the analytic layout; raises RuntimeError where they cannot be mapped."""
   weights, biases = _layout.tensors(spec)
   size = _layout.params_size(spec)
   order = np.full(size, -1, np.int64)

@@ -9,8 +9,9 @@ same order. `g` is 4 for LSTM (gates i, f, g, o), 3 for GRU (r, z, n), 1 for
 the Elman RNNs. `weights` and `biases` are two flat lists in that order.
 
 Under `skip_input`, layer 0 has no input matrices: its `W_k` are absent from
-`weights` (both directions), while all its biases stay. (cuDNN reports those
-matrices with zero size from `cudnnGetRNNWeightParams`.)
+`weights` (both directions), while all its biases stay: so cuDNN's layout has
+it (`cudnnGetRNNWeightParams` reports those matrices absent and the biases in
+place; `tests/test_layout_probe.py`).
 
 The opaque buffer is cuDNN's weight space for `CUDNN_RNN_DOUBLE_BIAS`: a
 *pseudo-layer* is one (layer, direction) pair, numbered `layer * num_dirs +
@@ -21,7 +22,9 @@ order. That is exactly the canonical order, so the opaque buffer is the
 concatenation of the flattened weights followed by the biases: packing and
 unpacking are a concatenation and static slices. The GPU test
 `test_analytic_layout_equals_cudnn` (tests/test_cudnn.py) checks these offsets
-against `cudnnGetRNNWeightParams` for every mode, direction and input mode;
+against `cudnnGetRNNWeightParams` for every mode, direction and input mode, and
+`tests/test_layout_probe.py` checks them without a GPU, over every dtype and a
+sweep of sizes, against cuDNN's host-side layout arithmetic;
 should a cuDNN version lay the buffer out otherwise, `_cudnn.cudnn_order`
 gathers it into cuDNN's layout before each call, so results stay right.
 """

@@ -3,6 +3,7 @@
 import numpy as np
 
 import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import _layout
 
 SPEC_CLASSES = (jcr.CudnnLSTM, jcr.CudnnGRU, jcr.CudnnRNNTanh, jcr.CudnnRNNRelu)
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -44,3 +45,23 @@ def random_inputs(spec, T, B, seed=1):
   h = (0.5 * rng.normal(size=(S, B, spec.num_units))).astype(spec.dtype)
   c = (0.5 * rng.normal(size=(S, B, spec.num_units))).astype(spec.dtype) if spec.has_cell_state else None
   return x, h, c
+
+
+def assert_layout_is_analytic(spec, rows):
+  """`rows` (`_cudnn.weight_layout`'s format: `[pseudo_layer, linear_id] ->
+  (matrix offset, rows, cols, bias offset, bias length)`, as cuDNN reports
+  them) place every canonical tensor where `_layout` does; the input matrices
+  that skip_input drops are reported absent, while their biases stay."""
+  weights, biases = _layout.tensors(spec)
+  by_id = {(t.layer * spec.num_dirs + t.direction, t.index): t for t in weights}
+  for t in biases:
+    row = rows[t.layer * spec.num_dirs + t.direction, t.index]
+    assert (row[3], row[4]) == (t.offset, t.shape[0]), (spec, t, row)
+  for p in range(rows.shape[0]):
+    for lin in range(2 * spec.num_gates):
+      row = rows[p, lin]
+      t = by_id.get((p, lin))
+      if t is None:  # skip_input: layer 0 has no input matrices
+        assert row[0] == -1 or row[1] * row[2] == 0, (spec, p, lin, row)
+      else:
+        assert (row[0], row[1], row[2]) == (t.offset, *t.shape), (spec, t, row)

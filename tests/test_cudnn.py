@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _cudnn, _layout
-from helpers import SPEC_CLASSES, call, random_inputs
+from jax_cudnn_rnn import _cudnn
+from helpers import SPEC_CLASSES, assert_layout_is_analytic, call, random_inputs
 
 _available, _why = _cudnn.availability()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _available, reason=_why or "no CUDA")]
@@ -128,21 +128,7 @@ def test_dropout_matches_reference(cls):
 @pytest.mark.parametrize("mode", ["linear_input", "skip_input"])
 def test_analytic_layout_equals_cudnn(cls, direction, mode):
   spec = cls(3, 6, 6 if mode == "skip_input" else 4, input_mode=mode, direction=direction)
-  rows = _cudnn.weight_layout(spec)
-  weights, biases = _layout.tensors(spec)
-  g = spec.num_gates
-  by_id = {(t.layer * spec.num_dirs + t.direction, t.index): t for t in weights}
-  for t in biases:
-    row = rows[t.layer * spec.num_dirs + t.direction, t.index]
-    assert (row[3], row[4]) == (t.offset, t.shape[0]), (t, row)
-  for p in range(rows.shape[0]):
-    for lin in range(2 * g):
-      row = rows[p, lin]
-      t = by_id.get((p, lin))
-      if t is None:  # skip_input: layer 0 has no input matrices
-        assert row[0] == -1 or row[1] * row[2] == 0, row
-      else:
-        assert (row[0], row[1], row[2]) == (t.offset, *t.shape), (t, row)
+  assert_layout_is_analytic(spec, _cudnn.weight_layout(spec))
   assert _cudnn.cudnn_order(spec) is None  # the buffer goes to cuDNN without a gather
   assert 4 * spec.params_size() == _cudnn.query_sizes(
       _cudnn.Config(spec.rnn_mode, 3, 6, spec.input_size, direction == "bidirectional",

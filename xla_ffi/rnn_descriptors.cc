@@ -81,24 +81,30 @@ RnnDescriptors::~RnnDescriptors() {
   if (dropout_ != nullptr) cudnnDestroyDropoutDescriptor(dropout_);
 }
 
+Error SetRnnDescriptor(const RnnKey& key, cudnnDropoutDescriptor_t dropout,
+                       cudnnRNNDescriptor_t rnn) {
+  const RnnAttrs& a = key.attrs;
+  cudnnDataType_t math_prec;
+  cudnnMathType_t math_type;
+  MathFor(key, &math_prec, &math_type);
+  JCR_RETURN_IF_CUDNN_ERROR(cudnnSetRNNDescriptor_v8(
+      rnn, CUDNN_RNN_ALGO_STANDARD, static_cast<cudnnRNNMode_t>(a.cell_mode),
+      CUDNN_RNN_DOUBLE_BIAS, a.bidirectional ? CUDNN_BIDIRECTIONAL : CUDNN_UNIDIRECTIONAL,
+      a.skip_input ? CUDNN_SKIP_INPUT : CUDNN_LINEAR_INPUT, key.data_type, math_prec, math_type,
+      static_cast<int32_t>(a.input_size), static_cast<int32_t>(a.hidden_size),
+      /*projSize=*/static_cast<int32_t>(a.hidden_size), static_cast<int32_t>(a.num_layers),
+      dropout, CUDNN_RNN_PADDED_IO_ENABLED));
+  return Error::Success();
+}
+
 Error RnnDescriptors::Init(cudnnHandle_t handle, const RnnKey& key) {
   const RnnAttrs& a = key.attrs;
   // Dropout between layers is applied by JAX (same masks on every backend),
   // so cuDNN's own dropout is always off and needs no state buffer.
   JCR_RETURN_IF_CUDNN_ERROR(cudnnCreateDropoutDescriptor(&dropout_));
   JCR_RETURN_IF_CUDNN_ERROR(cudnnSetDropoutDescriptor(dropout_, handle, 0.0f, nullptr, 0, 0));
-
-  cudnnDataType_t math_prec;
-  cudnnMathType_t math_type;
-  MathFor(key, &math_prec, &math_type);
   JCR_RETURN_IF_CUDNN_ERROR(cudnnCreateRNNDescriptor(&rnn_));
-  JCR_RETURN_IF_CUDNN_ERROR(cudnnSetRNNDescriptor_v8(
-      rnn_, CUDNN_RNN_ALGO_STANDARD, static_cast<cudnnRNNMode_t>(a.cell_mode),
-      CUDNN_RNN_DOUBLE_BIAS, a.bidirectional ? CUDNN_BIDIRECTIONAL : CUDNN_UNIDIRECTIONAL,
-      a.skip_input ? CUDNN_SKIP_INPUT : CUDNN_LINEAR_INPUT, key.data_type, math_prec, math_type,
-      static_cast<int32_t>(a.input_size), static_cast<int32_t>(a.hidden_size),
-      /*projSize=*/static_cast<int32_t>(a.hidden_size), static_cast<int32_t>(a.num_layers),
-      dropout_, CUDNN_RNN_PADDED_IO_ENABLED));
+  JCR_RETURN_IF_ERROR(SetRnnDescriptor(key, dropout_, rnn_));
 
   const int dims[3] = {static_cast<int>(NumStates(a)), static_cast<int>(key.batch_size),
                        static_cast<int>(a.hidden_size)};

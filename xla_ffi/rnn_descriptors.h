@@ -75,6 +75,11 @@ class RnnDescriptors {
   RnnSizes sizes_{};
 };
 
+// Sets `rnn` to the configuration of `key` with cuDNN's dropout `dropout`
+// (never applied: JAX draws the masks). Host-side only: needs no handle.
+::xla::ffi::Error SetRnnDescriptor(const RnnKey& key, cudnnDropoutDescriptor_t dropout,
+                                   cudnnRNNDescriptor_t rnn);
+
 // The cached descriptors of `key`, created with `handle` on first use.
 ::xla::ffi::Error GetRnnDescriptors(cudnnHandle_t handle, const RnnKey& key,
                                     std::shared_ptr<const RnnDescriptors>* out);

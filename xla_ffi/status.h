@@ -5,6 +5,8 @@
 #ifndef JAX_CUDNN_RNN_STATUS_H_
 #define JAX_CUDNN_RNN_STATUS_H_
 
+#include <cstddef>
+#include <cstring>
 #include <string>
 
 #include <cuda_runtime_api.h>
@@ -16,6 +18,17 @@ namespace jcr {
 
 inline std::string CallFailed(const char* call, const char* what, const char* file, int line) {
   return std::string(call) + " failed: " + what + " (" + file + ":" + std::to_string(line) + ")";
+}
+
+// For plain C entry points: 0 on success; else 1, with the message copied
+// (truncated to `out_size`) into `out`.
+inline int ReportToC(const ::xla::ffi::Error& error, char* out, size_t out_size) {
+  if (error.success()) return 0;
+  if (out != nullptr && out_size > 0) {
+    std::strncpy(out, error.message().c_str(), out_size - 1);
+    out[out_size - 1] = '\0';
+  }
+  return 1;
 }
 
 }  // namespace jcr
