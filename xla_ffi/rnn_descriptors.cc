@@ -46,6 +46,16 @@ void MathFor(const RnnKey& key, cudnnDataType_t* math_prec, cudnnMathType_t* mat
 
 }  // namespace
 
+RnnKey MakeKey(int64_t cell_mode, int64_t num_layers, int64_t hidden_size, int64_t input_size,
+               int32_t bidirectional, int32_t skip_input, int32_t batch_major,
+               int32_t allow_tf32, int32_t data_type, int64_t max_seq_length,
+               int64_t batch_size) {
+  RnnAttrs attrs{cell_mode,         num_layers,          hidden_size,        input_size,
+                 bidirectional != 0, skip_input != 0,    batch_major != 0,   allow_tf32 != 0,
+                 /*has_seq_lengths=*/false};
+  return RnnKey{attrs, static_cast<cudnnDataType_t>(data_type), max_seq_length, batch_size};
+}
+
 int NumGates(int64_t cell_mode) {
   switch (cell_mode) {
     case CUDNN_LSTM:

@@ -84,6 +84,13 @@ class RnnDescriptors {
 ::xla::ffi::Error GetRnnDescriptors(cudnnHandle_t handle, const RnnKey& key,
                                     std::shared_ptr<const RnnDescriptors>* out);
 
+// The key of a configuration given as the plain integers of the C entry
+// points (rnn_queries.cc, layout_probe.cc); `has_seq_lengths` is false.
+RnnKey MakeKey(int64_t cell_mode, int64_t num_layers, int64_t hidden_size, int64_t input_size,
+               int32_t bidirectional, int32_t skip_input, int32_t batch_major,
+               int32_t allow_tf32, int32_t data_type, int64_t max_seq_length,
+               int64_t batch_size);
+
 // Number of gates (linear layers per side) of a cuDNN cell mode.
 int NumGates(int64_t cell_mode);
 

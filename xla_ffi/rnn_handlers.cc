@@ -22,6 +22,7 @@
 #include <cudnn.h>
 
 #include "handle_pool.h"
+#include "rnn_bindings.h"
 #include "rnn_descriptors.h"
 #include "rnn_input_checks.h"
 #include "status.h"
@@ -211,44 +212,34 @@ Error BackwardWeights(cudaStream_t stream, ffi::ScratchAllocator scratch, AnyBuf
   return Error::Success();
 }
 
+// The context every cuDNN handler takes first: its stream and scratch memory.
+auto CudaBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>();
+}
+
+// x, hx, cx, weights, seq_lengths -> y, hy, cy.
+auto ForwardBinding() {
+  return WithForwardOperands(CudaBinding())
+      .Ret<AnyBuffer>()   // y
+      .Ret<AnyBuffer>()   // hy
+      .Ret<AnyBuffer>();  // cy
+}
+
 }  // namespace
 }  // namespace jcr
 
 namespace ffi = ::xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcrRnnForwardInference, jcr::ForwardInference,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()            // x
-                                  .Arg<ffi::AnyBuffer>()            // hx
-                                  .Arg<ffi::AnyBuffer>()            // cx
-                                  .Arg<ffi::AnyBuffer>()            // weights
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lengths
-                                  .Ret<ffi::AnyBuffer>()            // y
-                                  .Ret<ffi::AnyBuffer>()            // hy
-                                  .Ret<ffi::AnyBuffer>()            // cy
-                                  .Attrs<jcr::RnnAttrs>());
+                              jcr::ForwardBinding().Attrs<jcr::RnnAttrs>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcrRnnForwardTraining, jcr::ForwardTraining,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()            // x
-                                  .Arg<ffi::AnyBuffer>()            // hx
-                                  .Arg<ffi::AnyBuffer>()            // cx
-                                  .Arg<ffi::AnyBuffer>()            // weights
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lengths
-                                  .Ret<ffi::AnyBuffer>()            // y
-                                  .Ret<ffi::AnyBuffer>()            // hy
-                                  .Ret<ffi::AnyBuffer>()            // cy
+                              jcr::ForwardBinding()
                                   .Ret<ffi::Buffer<ffi::U8>>()      // reserve_space
                                   .Attrs<jcr::RnnAttrs>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcrRnnBackwardData, jcr::BackwardData,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
+                              jcr::CudaBinding()
                                   .Arg<ffi::AnyBuffer>()            // y
                                   .Arg<ffi::AnyBuffer>()            // dy
                                   .Arg<ffi::AnyBuffer>()            // hx
@@ -265,9 +256,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JcrRnnBackwardData, jcr::BackwardData,
                                   .Attrs<jcr::RnnAttrs>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcrRnnBackwardWeights, jcr::BackwardWeights,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
+                              jcr::CudaBinding()
                                   .Arg<ffi::AnyBuffer>()            // x
                                   .Arg<ffi::AnyBuffer>()            // hx
                                   .Arg<ffi::AnyBuffer>()            // y

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "rnn_attrs.h"
+#include "rnn_bindings.h"
 #include "rnn_input_checks.h"
 #include "status.h"
 #include "xla/ffi/api/ffi.h"
@@ -53,11 +54,6 @@ ffi::Error CheckInputsOnHost(ffi::AnyBuffer x, ffi::AnyBuffer hx, ffi::AnyBuffer
 }  // namespace jcr
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcrRnnCheckInputs, jcr::CheckInputsOnHost,
-                              ::xla::ffi::Ffi::Bind()
-                                  .Arg<::xla::ffi::AnyBuffer>()                 // x
-                                  .Arg<::xla::ffi::AnyBuffer>()                 // hx
-                                  .Arg<::xla::ffi::AnyBuffer>()                 // cx
-                                  .Arg<::xla::ffi::AnyBuffer>()                 // weights
-                                  .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()   // seq_lengths
+                              jcr::WithForwardOperands(::xla::ffi::Ffi::Bind())
                                   .Ret<::xla::ffi::Buffer<::xla::ffi::S64>>()   // report
                                   .Attrs<jcr::RnnAttrs>());
