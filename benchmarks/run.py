@@ -13,10 +13,14 @@ Forward ("fwd", inference) and forward+backward ("fwd+bwd", gradient of a sum
 with respect to the input and all weights). Each figure is the median of
 `--repeats` timings (after warm-up and compilation) and the spread
 (interquartile range), timed in round-robin rounds across the contenders so that
-a slow stretch of a noisy machine falls on all alike; and the memory each needs:
-for JAX contenders the temporary buffers XLA allocates for the compiled
-computation (`memory_analysis().temp_size_in_bytes`, any backend), for PyTorch
-on a GPU the peak allocated during one call.
+a slow stretch of a noisy machine falls on all alike; and the memory each call
+needs beyond its inputs (`MEMORY_MEASURE`): for JAX contenders XLA's temporary
+and output buffers of the compiled computation (`memory_analysis()`, any
+backend), plus, for `ours-cudnn`, the cuDNN workspace its handlers take from
+XLA's scratch allocator at run time, which `memory_analysis` does not count (a
+peer such as `jax.experimental.rnn` keeps its workspace in an XLA buffer, so it
+is counted there); for PyTorch on a GPU the peak allocated during one call less
+what was allocated before it.
 
 Writes `<out-dir>/<machine>-<date>.json` (every figure, versions, device),
 `<machine>-<date>.md` (ratios of each peer's time to ours: > 1 means we are
@@ -124,14 +128,22 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int) -> dict
   return out
 
 
-def _jax_contender(fwd, grad, args):
+MEMORY_MEASURE = ("bytes a call needs beyond its inputs: XLA temp + outputs - aliased "
+                  "(+ cuDNN run-time workspace for ours-cudnn); PyTorch: peak allocated "
+                  "during the call - allocated before")
+
+
+def _jax_contender(fwd, grad, args, scratch=None):
   """Compiles `fwd(*args)` and `grad(*args)` once each; returns the two compiled calls and
-  XLA's temp bytes of each."""
+  the bytes each needs beyond its inputs (`MEMORY_MEASURE`), adding `scratch[phase]`: what
+  the computation allocates at run time outside XLA's buffers."""
   calls, memory = [], {}
   for phase, fn in (("fwd", fwd), ("fwd+bwd", grad)):
     compiled = jax.jit(fn).lower(*args).compile()
     try:
-      memory[phase] = int(compiled.memory_analysis().temp_size_in_bytes)
+      m = compiled.memory_analysis()
+      memory[phase] = int(m.temp_size_in_bytes + m.output_size_in_bytes
+                          - m.alias_size_in_bytes + (scratch or {}).get(phase, 0))
     except Exception:  # a backend without memory analysis
       memory[phase] = None
     calls.append(lambda compiled=compiled: jax.block_until_ready(compiled(*args)))
@@ -153,8 +165,13 @@ def ours(shape: Shape, implementation: str):
   def run(x, p):
     return spec._run(x, None, None, p, False, time_major=False, implementation=implementation)[0]
 
+  scratch = None
+  if implementation == "cudnn":  # one fused call per phase (no dropout), batch-major
+    sizes = _cudnn.query_sizes(_cudnn.Config.of(spec, time_major=False, has_seq_lengths=False),
+                               spec.dtype, shape.seq_len, shape.batch)
+    scratch = {"fwd": sizes["workspace_inference"], "fwd+bwd": sizes["workspace_training"]}
   return _jax_contender(run, jax.grad(lambda x, p: jnp.sum(run(x, p).astype(jnp.float32)),
-                                      argnums=(0, 1)), (x, params))
+                                      argnums=(0, 1)), (x, params), scratch)
 
 
 def flax_scan(shape: Shape):
@@ -230,9 +247,13 @@ def torch_rnn(shape: Shape, device: str):
   if device == "cuda":
     for phase, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
       fn()
+      module.zero_grad(set_to_none=True)
+      x.grad = None
+      torch.cuda.synchronize()
+      before = torch.cuda.memory_allocated()
       torch.cuda.reset_peak_memory_stats()
       fn()
-      memory[phase] = int(torch.cuda.max_memory_allocated())
+      memory[phase] = int(torch.cuda.max_memory_allocated() - before)
   return fwd, fwd_bwd, memory
 
 
@@ -299,7 +320,7 @@ def markdown(results: list[dict], device: str) -> str:
   mib = lambda r: "—" if r is None or r.get("memory_bytes") is None else \
       f"{r['memory_bytes'] / 2**20:.1f}"
   lines += ["## memory, fwd+bwd (MiB)", "",
-            "XLA's temporary buffers for JAX contenders; PyTorch's peak allocation on a GPU.", "",
+            f"Measure: {MEMORY_MEASURE}.", "",
             "| shape | ours | " + " | ".join(peers) + " |", "|---|---:|" + "---:|" * len(peers)]
   for shape in dict.fromkeys(r["shape"] for r in results):
     rows = {r["impl"]: r for r in results if r["shape"] == shape and r["phase"] == "fwd+bwd"}
@@ -347,7 +368,7 @@ def main(argv=None) -> int:
   parser.add_argument("--machine", default=None, help="name in the output files")
   parser.add_argument("--only", default=None, help="comma-separated contenders to run")
   args = parser.parse_args(argv)
-  repeats = args.repeats or (6 if args.quick else 21)
+  repeats = args.repeats or (12 if args.quick else 21)
   gpu = _cudnn.availability()[0]
   try:
     import torch
@@ -389,7 +410,8 @@ def main(argv=None) -> int:
   stem = out_dir / f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
             "versions": versions(), "quick": args.quick, "repeats": repeats,
-            "warmup": args.warmup, "rounds": args.rounds, "results": results}
+            "warmup": args.warmup, "rounds": args.rounds, "memory_measure": MEMORY_MEASURE,
+            "results": results}
   stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
   table = markdown(results, device_name)
   stem.with_suffix(".md").write_text(table)
