@@ -8,10 +8,9 @@
 //   JcrCudnnVersion     cudnnGetVersion() of the cuDNN this library loaded
 //                       (needs no GPU), for logs and benchmark records.
 //
-// Both return 0 on success; on failure they return 1 and write a message
+// The first two return 0 on success; on failure they return 1 and write a message
 // (truncated to `error_size`) into `error`. Nothing throws across this ABI.
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>

@@ -1,4 +1,5 @@
-// Turning CUDA and cuDNN statuses into ffi::Error, never throwing.
+// Turning CUDA and cuDNN statuses into ffi::Error, and ffi::Error into the C
+// entry points' return codes, never throwing.
 //
 // Every failing call becomes an error carrying the call's text, the library's
 // message, and the file and line, as jaxlib's gpu_kernel_helpers do.
