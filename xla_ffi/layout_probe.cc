@@ -12,9 +12,12 @@
 // (cudnnCreate) needs a device. Here a zero-filled placeholder stands in for
 // the handle, and a host buffer for the weight space (cuDNN only computes
 // addresses inside it). That cuDNN reads nothing from the handle in these two
-// calls is observed (cuDNN 9.28), not promised by NVIDIA; should a version
-// read it, the probe would fail or crash, never pass by accident, and tests
-// run it in a child process. So this is evidence for the analytic layout where
+// calls is observed (cuDNN 9.28), not promised by NVIDIA. (The workspace and
+// reserve sizes cannot be probed so: cudnnGetRNNTempSpaceSizes asks the CUDA
+// runtime for the current device, and fails without one.) Should a version
+// read the handle, the probe would most likely fail or crash (tests run it in
+// a child process), and a pass still means every offset matched. So this is
+// evidence for the analytic layout where
 // CI has no GPU; the GPU test `test_analytic_layout_equals_cudnn`, with a real
 // handle and device memory, stays the authority.
 #include <cstdint>
