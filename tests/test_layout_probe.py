@@ -59,23 +59,35 @@ def _probe(queries):
   return answers
 
 
-def _specs(cls, dtype):
+def _cases(cls, dtype):
+  """(spec, allow_tf32) for every size, direction and input mode; float32 with and without
+  TF32."""
   for (layers, units, inputs), direction, mode in itertools.product(
       SIZES, ("unidirectional", "bidirectional"), ("linear_input", "skip_input")):
-    yield cls(layers, units, units if mode == "skip_input" else inputs, input_mode=mode,
-              direction=direction, dtype=dtype)
+    spec = cls(layers, units, units if mode == "skip_input" else inputs, input_mode=mode,
+               direction=direction, dtype=dtype)
+    for tf32 in ((False, True) if dtype == jnp.float32 else (False,)):
+      yield spec, tf32
+
+
+@pytest.fixture(scope="module")
+def sweep():
+  """`{(cls, dtype): [(spec, allow_tf32, answer), ...]}`, from one child process."""
+  cases = {(cls, dtype): list(_cases(cls, dtype)) for cls in SPEC_CLASSES for dtype in DTYPES}
+  flat = [case for group in cases.values() for case in group]
+  answers = iter(_probe([_query(spec, tf32) for spec, tf32 in flat]))
+  return {key: [(spec, tf32, next(answers)) for spec, tf32 in group]
+          for key, group in cases.items()}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("cls", SPEC_CLASSES, ids=lambda c: c.__name__)
-def test_cudnn_layout_is_the_analytic_one(cls, dtype):
+def test_cudnn_layout_is_the_analytic_one(sweep, cls, dtype):
   """For every size, direction and input mode (and float32 with and without
   TF32): cuDNN accepts the descriptor the handlers set, its weight space is the
   opaque buffer's size, and it places every matrix and bias where `_layout`
   does, so `_cudnn` hands the buffer over without a gather."""
-  cases = [(spec, tf32) for spec in _specs(cls, dtype)
-           for tf32 in ((False, True) if dtype == jnp.float32 else (False,))]
-  for (spec, tf32), answer in zip(cases, _probe([_query(s, t) for s, t in cases])):
+  for spec, tf32, answer in sweep[cls, dtype]:
     assert "error" not in answer, (spec, tf32, answer)
     assert answer["weight_space"] == spec.params_size() * spec.dtype.itemsize, (spec, answer)
     rows = np.array(answer["layout"], np.int64).reshape(spec.num_layers * spec.num_dirs,
