@@ -13,7 +13,9 @@ loop, one small matmul per step. Here each layer is a `jax.custom_jvp`:
   together, e.g. for LSTM `i(1-i)g, f(1-f)c_{t-1}, (1-g^2)i, o(1-o)tanh c`);
 - the tangent is then a *linear* recurrence, `u_t = (A_t + dh_{t-1} R) * K_t`,
   whose input term `A_t = dx_t W + x_t dW + h_{t-1} dR + db` is computed for
-  all steps at once, outside the loop, as `[T*B, .]` matmuls.
+  all steps at once, outside the loop, as matmuls over `[T, B, .]` (kept
+  three-dimensional: reshaping to `[T*B, .]` would merge a sharded batch axis
+  away, which explicit sharding refuses; see tests/sharded_cases.py).
 Reverse mode is JAX transposing that linear tangent: the loop carries only
 `dh, dc` and does one matmul per step (`du_t R^T`), and the weight gradients
 become single large matmuls (`x^T du`, `h_{t-1}^T du`) after it, the way cuDNN
@@ -131,23 +133,21 @@ def _layer_jvp(mode, primals, tangents):
   D, g = len(xs), _spec.NUM_GATES[mode]
   T, B = xs[0].shape[:2]
   lstm, gru = mode == "lstm", mode == "gru"
-  flat = lambda a: a.reshape(T * B, a.shape[-1])
 
   # The input term of the tangent for every step at once: A_t (added to the
   # recurrent pre-activation tangent inside the loop) and, for GRU, the input
   # part X_t of dh', whose coefficients differ from the recurrent part's.
-  def term(*terms):  # a [T, B, .] sum of [T*B, .] and bias terms, None if all zero
+  def term(*terms):  # a [T, B, .] sum of [T, B, .] and bias terms, None if all zero
     total = _sum(*terms)
-    return None if total is None else jnp.broadcast_to(total, (T * B, total.shape[-1])).reshape(
-        T, B, total.shape[-1])
+    return None if total is None else jnp.broadcast_to(total, (T, B, total.shape[-1]))
 
   A, X = [], []
   for d in range(D):
     hprev = jnp.concatenate([h0[d][None], ys[d][:-1]])
     Wd = None if W is None else W[d]
-    dx = None if _zero(txs[d]) else _reference.project(flat(txs[d]), Wd, g)
-    dw = None if W is None or _zero(tW[d]) else flat(xs[d]) @ tW[d]
-    dr = None if _zero(tR[d]) else flat(hprev) @ tR[d]
+    dx = None if _zero(txs[d]) else _reference.project(txs[d], Wd, g)
+    dw = None if W is None or _zero(tW[d]) else xs[d] @ tW[d]
+    dr = None if _zero(tR[d]) else hprev @ tR[d]
     if gru:
       ax = term(dx, dw, tbW[d])
       X.append(None if ax is None else _blocksum(ax * res[d][0], g))

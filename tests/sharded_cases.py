@@ -1,0 +1,154 @@
+"""Data-parallel runs over four CPU devices: the batch sharded, the weights
+replicated. Run by `test_sharding.py` in a child pytest with
+`--xla_force_host_platform_device_count=4` (the main run has one device);
+not collected on its own (the name does not start with `test_`).
+
+Each case runs a loss and its gradients under `jit` on sharded inputs and
+compares them with the same computation on one device, for both of JAX's
+sharding modes:
+- "explicit": the mesh's axes are `AxisType.Explicit` (the default of
+  `jax.make_mesh`), so shardings are part of the arrays' types and a
+  computation that merges the batch axis away fails at trace time;
+- "auto": `AxisType.Auto`, the partitioner decides, and a computation that
+  cannot be split by batch is run on gathered, whole operands.
+Both backends are run: "xla" as is, and "cudnn" with the native handlers
+replaced by the pure-JAX model of their contract (`handler_model.py`), so
+that what is checked is how the cuDNN calls are split over devices (each
+call sees its device's part of the batch, weight gradients are summed over
+devices), not cuDNN itself.
+"""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import _cudnn
+from handler_model import HandlerModel
+from helpers import call, random_inputs
+
+DEVICES = 4
+B = 8  # the global batch: 2 rows per device
+T = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _four_devices():
+  assert len(jax.devices()) == DEVICES, (
+      f"run with XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}, "
+      f"got {len(jax.devices())} devices")
+
+
+@pytest.fixture
+def model(monkeypatch):
+  """The cuDNN calls answered by the handler model (see the module docstring)."""
+  model = HandlerModel()
+  monkeypatch.setattr(_cudnn, "query_sizes", model.query_sizes)
+  monkeypatch.setattr(_cudnn, "cudnn_order", lambda spec: None)
+  monkeypatch.setattr(_cudnn, "availability", lambda: (True, ""))
+  monkeypatch.setattr(jax.ffi, "ffi_call", model.ffi_call)
+  return model
+
+
+def _mesh(mode):
+  axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+  return jax.make_mesh((DEVICES,), ("data",), axis_types=(axis_type,))
+
+
+@contextlib.contextmanager
+def _in(mesh, mode):
+  """Explicit meshes are used through `jax.set_mesh`, as JAX's guide has it;
+  auto ones through the arrays' shardings alone (plain `jit`)."""
+  if mode == "explicit":
+    with jax.set_mesh(mesh):
+      yield
+  else:
+    yield
+
+
+F64 = dict(dtype=jnp.float64)  # so that the comparisons can be tight
+CASES = {
+    # name: (spec, options)
+    "lstm-2-layers-bidirectional": (jcr.CudnnLSTM(2, 6, 3, direction="bidirectional", **F64),
+                                    {}),
+    "gru-batch-major-lengths": (jcr.CudnnGRU(1, 5, 4, **F64),
+                                dict(time_major=False, lengths=True)),
+    "tanh-skip-input-lengths": (jcr.CudnnRNNTanh(2, 4, 4, input_mode="skip_input",
+                                                 direction="bidirectional", **F64),
+                                dict(lengths=True)),
+    "relu-dropout": (jcr.CudnnRNNRelu(3, 4, 2, dropout=0.3, **F64), dict(dropout=True)),
+}
+
+
+def _problem(spec, options):
+  """Inputs (time-major unless `time_major=False`) and the loss over them."""
+  time_major = options.get("time_major", True)
+  x, h, c = random_inputs(spec, T, B, seed=7)
+  x = x if time_major else np.swapaxes(x, 0, 1)
+  params = np.asarray(spec.init_params(jax.random.key(8)))
+  lengths = np.array([5, 1, 3, 0, 5, 2, 4, 5], np.int32) if options.get("lengths") else None
+  kwargs = dict(time_major=time_major)
+  if options.get("dropout"):
+    kwargs["dropout_key"] = jax.random.key(9)
+
+  def loss(x, h, c, params, lengths, implementation):
+    y, hn, cn = call(spec, x, h, c, params, seq_lengths=lengths, implementation=implementation,
+                     **kwargs)
+    total = jnp.sum(jnp.sin(y)) + jnp.sum(hn ** 2)
+    return total if cn is None else total + jnp.sum(jnp.cos(cn))
+
+  return (x, h, c, params, lengths), loss, time_major
+
+
+def _shard(mesh, operands, time_major):
+  """x, h, c and the lengths split by batch over the mesh; params replicated."""
+  x, h, c, params, lengths = operands
+  put = lambda a, *spec: None if a is None else jax.device_put(a, NamedSharding(mesh, P(*spec)))
+  data = ("data", None, None) if not time_major else (None, "data", None)
+  return (put(x, *data), put(h, None, "data", None), put(c, None, "data", None),
+          put(params), put(lengths, "data"))
+
+
+def _values_and_grads(loss, operands, implementation):
+  """The loss and its gradients, and the compiled computation's text."""
+  argnums = (0, 1, 3) if operands[2] is None else (0, 1, 2, 3)
+  f = jax.jit(jax.value_and_grad(loss, argnums=argnums), static_argnums=5)
+  return f(*operands, implementation), f.lower(*operands, implementation).compile().as_text()
+
+
+def _spec_at(array, axis):
+  spec = array.sharding.spec
+  return spec[axis] if len(spec) > axis else None
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.parametrize("implementation", ["xla"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_batch_sharded_equals_one_device(request, case, implementation, mode):
+  if implementation == "cudnn":
+    model = request.getfixturevalue("model")
+  spec, options = CASES[case]
+  operands, loss, time_major = _problem(spec, options)
+  (want_value, want_grads), _ = _values_and_grads(loss, operands, implementation)
+
+  mesh = _mesh(mode)
+  with _in(mesh, mode):
+    sharded = _shard(mesh, operands, time_major)
+    (value, grads), compiled = _values_and_grads(loss, sharded, implementation)
+  np.testing.assert_allclose(value, want_value, rtol=1e-12)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+  # Nothing was gathered: the data gradient comes back split like the data,
+  # the weights' whole (summed over the devices).
+  assert _spec_at(grads[0], 1 if time_major else 0) == "data", grads[0].sharding
+  assert grads[-1].sharding.is_fully_replicated, grads[-1].sharding
+  assert "all-gather" not in compiled
+  if implementation == "cudnn":
+    # Every cuDNN call ran on one device's part of the batch.
+    batch_axis = 1 if time_major else 0
+    local = [s for s in model.x_shapes if s[batch_axis] == B // DEVICES]
+    assert local, model.x_shapes
