@@ -19,6 +19,10 @@ wraps them in a `custom_vjp` whose residual is cuDNN's reserve space.
   layout equals `_layout`'s (expected; a GPU test checks it), and gathered into
   cuDNN's layout otherwise (`cudnn_order`), so a differing cuDNN still gives
   right values and gradients.
+- Several devices (`_partition`): each call runs on its own device's rows of
+  a batch-sharded input, under explicit sharding (`shard_map`) and auto
+  sharding (`custom_partitioning`); the reserve space is `[batch, row_bytes]`
+  so that it can be split too.
 - `vmap`: inference with shared weights folds the vmapped axis into cuDNN's
   batch (one call, `_inference`); everything else is one call per element.
 - Reverse mode only: cuDNN has no forward-mode derivative, and JAX refuses
@@ -39,7 +43,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_cudnn_rnn import _dropout, _layout
+from jax_cudnn_rnn import _dropout, _layout, _partition
 
 LIBRARY_NAME = "libjax_cudnn_rnn.so"
 CELL_MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}
@@ -281,19 +285,36 @@ def _steps_batch(cfg: Config, x):
   return (x.shape[1], x.shape[0]) if cfg.batch_major else (x.shape[0], x.shape[1])
 
 
+# The batch dimension of each operand and result of the calls (`_partition`):
+# data (x, y and their cotangents), states, the cell state (a zero-element
+# buffer without one), the weights (none) and the lengths and reserve rows.
+def _batch_axes(cfg: Config, arrays: str) -> tuple:
+  axes = dict(x=0 if cfg.batch_major else 1, h=1, c=1 if cfg.rnn_mode == "lstm" else None,
+              w=None, n=0)
+  return tuple(axes[a] for a in arrays)
+
+
 def _forward(cfg: Config, x, h0, c0, params, lengths, training: bool):
   steps, batch = _steps_batch(cfg, x)
-  sizes = query_sizes(cfg, np.dtype(x.dtype), steps, batch)
+  dtype = np.dtype(x.dtype)
+  sizes = query_sizes(cfg, dtype, steps, batch)
   if sizes["weight_space"] != params.size * params.dtype.itemsize:
     raise ValueError(f"params has {params.size * params.dtype.itemsize} bytes but cuDNN's "
                      f"weight space for {cfg} has {sizes['weight_space']}: the analytic "
                      "layout in _layout.py disagrees with this cuDNN version")
   if not training:
     return (*_inference(cfg)(x, h0, c0, params, lengths), None)
-  outs = _shapes(cfg, x, h0, c0)
-  reserve = jax.ShapeDtypeStruct((sizes["reserve_space"],), jnp.uint8)
-  call = jax.ffi.ffi_call("jcr_rnn_forward_training", (*outs, reserve), vmap_method="sequential")
-  return call(x, h0, c0, params, lengths, **cfg.attrs())
+  row_bytes = _partition.reserve_row_bytes(
+      lambda rows: query_sizes(cfg, dtype, steps, rows)["reserve_space"], batch)
+
+  def train(x, h0, c0, params, lengths):
+    reserve = jax.ShapeDtypeStruct((_steps_batch(cfg, x)[1], row_bytes), jnp.uint8)
+    call = jax.ffi.ffi_call("jcr_rnn_forward_training", (*_shapes(cfg, x, h0, c0), reserve),
+                            vmap_method="sequential")
+    return tuple(call(x, h0, c0, params, lengths, **cfg.attrs()))
+
+  return _partition.over_batch(train, (x, h0, c0, params, lengths), _batch_axes(cfg, "xhcwn"),
+                               _batch_axes(cfg, "xhcn"))
 
 
 def _inference(cfg: Config):
@@ -307,11 +328,15 @@ def _inference(cfg: Config):
   gradients must be per element under `vmap(grad(...))`.
   """
 
-  @jax.custom_batching.custom_vmap
-  def infer(x, h0, c0, params, lengths):
+  def run(x, h0, c0, params, lengths):
     call = jax.ffi.ffi_call("jcr_rnn_forward_inference", _shapes(cfg, x, h0, c0),
                             vmap_method="sequential")
     return tuple(call(x, h0, c0, params, lengths, **cfg.attrs()))
+
+  @jax.custom_batching.custom_vmap
+  def infer(x, h0, c0, params, lengths):
+    return _partition.over_batch(run, (x, h0, c0, params, lengths), _batch_axes(cfg, "xhcwn"),
+                                 _batch_axes(cfg, "xhc"))
 
   @infer.def_vmap
   def fold(axis_size, in_batched, *args):
@@ -348,18 +373,29 @@ def _fused_fwd(cfg, x, h0, c0, params, lengths):
 def _fused_bwd(cfg, residuals, cotangents):
   x, h0, c0, params, lengths, y, reserve = residuals
   dy, dh, dc = cotangents
-  data_outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype),
-               jax.ShapeDtypeStruct(c0.shape, c0.dtype),
-               jax.ShapeDtypeStruct(reserve.shape, reserve.dtype))
-  backward_data = jax.ffi.ffi_call("jcr_rnn_backward_data", data_outs, vmap_method="sequential",
-                                   input_output_aliases={8: 3})
-  dx, dh0, dc0, reserve = backward_data(y, dy, h0, dh, c0, dc, params, lengths, reserve,
-                                        **cfg.attrs())
-  backward_weights = jax.ffi.ffi_call(
-      "jcr_rnn_backward_weights", jax.ShapeDtypeStruct(params.shape, params.dtype),
-      vmap_method="sequential")
-  dparams = backward_weights(x, h0, y, lengths, reserve, **cfg.attrs())
-  return dx, dh0, dc0, dparams, None
+
+  def backward_data(y, dy, h0, dh, c0, dc, params, lengths, reserve):
+    x_shape = y.shape[:2] + (cfg.input_size,)
+    outs = (jax.ShapeDtypeStruct(x_shape, y.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype),
+            jax.ShapeDtypeStruct(c0.shape, c0.dtype),
+            jax.ShapeDtypeStruct(reserve.shape, reserve.dtype))
+    call = jax.ffi.ffi_call("jcr_rnn_backward_data", outs, vmap_method="sequential",
+                            input_output_aliases={8: 3})
+    return tuple(call(y, dy, h0, dh, c0, dc, params, lengths, reserve, **cfg.attrs()))
+
+  def backward_weights(x, h0, y, lengths, reserve):
+    call = jax.ffi.ffi_call("jcr_rnn_backward_weights",
+                            jax.ShapeDtypeStruct(params.shape, params.dtype),
+                            vmap_method="sequential")
+    return (call(x, h0, y, lengths, reserve, **cfg.attrs()),)
+
+  dx, dh0, dc0, reserve = _partition.over_batch(
+      backward_data, (y, dy, h0, dh, c0, dc, params, lengths, reserve),
+      _batch_axes(cfg, "xxhhccwnn"), _batch_axes(cfg, "xhcn"))
+  (dparams,) = _partition.over_batch(backward_weights, (x, h0, y, lengths, reserve),
+                                     _batch_axes(cfg, "xhxnn"), (None,), summed=True)
+  grads = (dx, dh0, dc0, dparams)
+  return (*(_partition.sum_to_match(g, p) for g, p in zip(grads, (x, h0, c0, params))), None)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -423,7 +459,9 @@ def _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major):
   if order is not None:
     params = params[order]
   cell = c0 if c0 is not None else jnp.zeros((0,), x.dtype)
-  y, h, c = _fused(cfg, x, h0, cell, params, lengths)
+  y, h, c = _partition.explicit_over_batch(lambda *args: _fused(cfg, *args),
+                                           (x, h0, cell, params, lengths),
+                                           _batch_axes(cfg, "xhcwn"), _batch_axes(cfg, "xhc"))
   return y, h, (c if c0 is not None else None)
 
 

@@ -8,7 +8,9 @@ with the plain-scan reference (`_reference.rnn`):
 
 - forward inference: `x, hx, cx, weights, seq_lengths -> y, hy, cy`;
 - forward training: the same plus a reserve space. cuDNN keeps there what its
-  backward passes need and are not given; the model keeps `x, hx, cx, weights`;
+  backward passes need and are not given; the model keeps `x, hx, cx, weights`
+  (so its size is not proportional to the batch, like cuDNN's), at the start
+  of whatever larger buffer Python declares;
 - backward data: `y, dy, hx, dhy, cx, dcy, weights, seq_lengths, reserve ->
   dx, dhx, dcx, reserve`, reading `x` from the reserve and writing `dy, dhy,
   dcy` into the returned one (cuDNN updates it in place for the weights pass);
@@ -84,7 +86,8 @@ def _reserve_size(cfg, dtype, x_shape):
 
 
 def _from_bytes(reserve, cfg, dtype, x_shape):
-  """The reserve's parts by name."""
+  """The reserve's parts by name (from its first bytes: it may be larger)."""
+  reserve = reserve.reshape(-1)
   out, at, size = {}, 0, np.dtype(dtype).itemsize
   for name, shape in _reserve_parts(cfg, dtype, x_shape):
     n = int(np.prod(shape)) * size
@@ -121,11 +124,22 @@ class HandlerModel:
       declared = (result_shape_dtypes if isinstance(result_shape_dtypes, (tuple, list))
                   else (result_shape_dtypes,))
       assert len(results) == len(declared), target
+      results = tuple(self._fit_reserve(r, want) for r, want in zip(results, declared))
       for got, want in zip(results, declared):
         assert got.shape == want.shape and got.dtype == want.dtype, (target, got, want)
       return results if isinstance(result_shape_dtypes, (tuple, list)) else results[0]
 
     return call
+
+  @staticmethod
+  def _fit_reserve(result, declared):
+    """The model's reserve bytes, padded into the reserve Python declared, which
+    may be larger than cuDNN's size (`_partition.reserve_row_bytes`) but never
+    smaller: the handlers refuse that."""
+    if declared.dtype != jnp.uint8 or result.shape == declared.shape:
+      return result
+    assert result.ndim == 1 and result.size <= declared.size, (result.shape, declared.shape)
+    return jnp.pad(result, (0, declared.size - result.size)).reshape(declared.shape)
 
   # -- the four targets ------------------------------------------------------------
 
@@ -139,6 +153,13 @@ class HandlerModel:
                              time_major=not cfg.batch_major)
     return y, h, (c if lstm else jnp.zeros((0,), x.dtype))
 
+  @staticmethod
+  def _differentiable(cfg):
+    """How many of `_run`'s results carry a cotangent: not the empty cell state
+    of a model without one (under `shard_map` its cotangent's type says it
+    varies over devices, and the empty placeholder's does not)."""
+    return 3 if cfg.rnn_mode == "lstm" else 2
+
   def jcr_rnn_forward_inference(self, cfg, x, h0, c0, params, lengths):
     return self._run(cfg, x, h0, c0, params, lengths)
 
@@ -150,13 +171,15 @@ class HandlerModel:
   def jcr_rnn_backward_data(self, cfg, y, dy, h0, dh, c0, dc, params, lengths, reserve):
     x_shape = (*y.shape[:2], cfg.input_size)
     x = _from_bytes(reserve, cfg, y.dtype, x_shape)["x"]  # not an operand: cuDNN keeps it
-    _, vjp = jax.vjp(lambda x, h0, c0: self._run(cfg, x, h0, c0, params, lengths), x, h0, c0)
-    dx, dh0, dc0 = vjp((dy, dh, dc))
+    n = self._differentiable(cfg)
+    _, vjp = jax.vjp(lambda x, h0, c0: self._run(cfg, x, h0, c0, params, lengths)[:n], x, h0, c0)
+    dx, dh0, dc0 = vjp((dy, dh, dc)[:n])
     return dx, dh0, dc0, _to_bytes(x, h0, c0, params, dy, dh, dc)
 
   def jcr_rnn_backward_weights(self, cfg, x, h0, y, lengths, reserve):
     # Not operands here: the cell state, the weights and the cotangents.
     kept = _from_bytes(reserve, cfg, x.dtype, x.shape)
-    _, vjp = jax.vjp(lambda p: self._run(cfg, x, h0, kept["c0"], p, lengths), kept["params"])
-    (dparams,) = vjp((kept["dy"], kept["dh"], kept["dc"]))
+    n = self._differentiable(cfg)
+    _, vjp = jax.vjp(lambda p: self._run(cfg, x, h0, kept["c0"], p, lengths)[:n], kept["params"])
+    (dparams,) = vjp((kept["dy"], kept["dh"], kept["dc"])[:n])
     return (dparams,)

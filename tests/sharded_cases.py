@@ -27,7 +27,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _cudnn
+from jax_cudnn_rnn import _cudnn, _partition
 from handler_model import HandlerModel
 from helpers import call, random_inputs
 
@@ -126,7 +126,7 @@ def _spec_at(array, axis):
 
 
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
-@pytest.mark.parametrize("implementation", ["xla"])
+@pytest.mark.parametrize("implementation", ["xla", "cudnn"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_batch_sharded_equals_one_device(request, case, implementation, mode):
   if implementation == "cudnn":
@@ -152,3 +152,40 @@ def test_batch_sharded_equals_one_device(request, case, implementation, mode):
     batch_axis = 1 if time_major else 0
     local = [s for s in model.x_shapes if s[batch_axis] == B // DEVICES]
     assert local, model.x_shapes
+
+
+@pytest.mark.parametrize("implementation", ["xla", "cudnn"])
+def test_inside_a_users_shard_map(request, implementation):
+  """The README's way before the library split calls itself: the user's own
+  `shard_map` over the batch, weights replicated (`P()`), loss summed with
+  `psum`. The weights' gradient must come back summed and replicated, which
+  JAX checks by type (`check_vma`)."""
+  if implementation == "cudnn":
+    request.getfixturevalue("model")
+  spec, options = CASES["lstm-2-layers-bidirectional"]
+  operands, loss, _ = _problem(spec, options)
+  (want_value, want_grads), _ = _values_and_grads(loss, operands, implementation)
+
+  mesh = _mesh("auto")
+  data, state = P(None, "data", None), P(None, "data", None)
+
+  def per_device(x, h, c, params):
+    return jax.lax.psum(loss(x, h, c, params, None, implementation), "data")
+
+  f = jax.jit(jax.value_and_grad(
+      jax.shard_map(per_device, mesh=mesh, in_specs=(data, state, state, P()), out_specs=P()),
+      argnums=(0, 1, 2, 3)))
+  value, grads = f(*operands[:4])
+  np.testing.assert_allclose(value, want_value, rtol=1e-12)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_reserve_rows_hold_every_even_split():
+  """Hand-computed: a reserve of `100 + 3 * rows` bytes over a batch of 8 rows
+  split into 1, 2 or 4 parts needs ceil(124/8) = 16, ceil(112/4) = 28 and
+  ceil(106/2) = 53 bytes a row: 53 (3 and 5 parts do not divide 8; 8 parts
+  would need more devices than the 4 here)."""
+  assert _partition.reserve_row_bytes(lambda rows: 100 + 3 * rows, 8) == 53
+  # And one row: whatever one device needs.
+  assert _partition.reserve_row_bytes(lambda rows: 7 * rows + 1, 1) == 8
