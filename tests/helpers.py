@@ -1,9 +1,15 @@
-"""Shared test helpers: the spec classes, random canonical params, uniform calls."""
+"""Shared test helpers: the spec classes, random canonical params, uniform calls,
+the built native library."""
+
+import ctypes
+import os
+import pathlib
 
 import numpy as np
+import pytest
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _layout
+from jax_cudnn_rnn import _cudnn, _layout
 
 SPEC_CLASSES = (jcr.CudnnLSTM, jcr.CudnnGRU, jcr.CudnnRNNTanh, jcr.CudnnRNNRelu)
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -65,3 +71,19 @@ def assert_layout_is_analytic(spec, rows):
         assert row[0] == -1 or row[1] * row[2] == 0, (spec, p, lin, row)
       else:
         assert (row[0], row[1], row[2]) == (t.offset, *t.shape), (spec, t, row)
+
+
+def native_library() -> ctypes.CDLL:
+  """The built native library, from JCR_NATIVE_LIBRARY (CI sets it to the CMake
+  build output) or the installed package, loaded after the cuDNN wheel it
+  links; skips the test where it was not built."""
+  explicit = os.environ.get("JCR_NATIVE_LIBRARY")
+  if explicit:
+    path = pathlib.Path(explicit)
+    assert path.exists(), f"JCR_NATIVE_LIBRARY={path} does not exist"
+  else:
+    path = next((p for p in _cudnn._library_candidates() if p.exists()), None)
+  if path is None:
+    pytest.skip("the native library was not built on this machine")
+  _cudnn._preload_cudnn_wheel()
+  return ctypes.CDLL(str(path))

@@ -29,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _cudnn, _partition
 from handler_model import HandlerModel
-from helpers import call, random_inputs
+from helpers import call, native_library, random_inputs
 
 DEVICES = 4
 B = 8  # the global batch: 2 rows per device
@@ -189,3 +189,36 @@ def test_reserve_rows_hold_every_even_split():
   assert _partition.reserve_row_bytes(lambda rows: 100 + 3 * rows, 8) == 53
   # And one row: whatever one device needs.
   assert _partition.reserve_row_bytes(lambda rows: 7 * rows + 1, 1) == 8
+
+
+def test_native_handler_receives_its_devices_rows():
+  """The real FFI plumbing, not the model: `JcrRnnCheckInputs` (the native
+  library's CPU handler that decodes what the cuDNN handlers are sent and
+  reports it) called through `_partition.over_batch` exactly as `_cudnn` calls
+  the forward handlers, under auto sharding. Each device's handler is given 2
+  of the 8 rows, and its input checks (lengths included) pass on them.
+  Skipped where the native library is not built (CI builds it and runs this)."""
+  lib = native_library()
+  jax.ffi.register_ffi_target("jcr_rnn_check_inputs", jax.ffi.pycapsule(lib.JcrRnnCheckInputs),
+                              platform="cpu")
+  spec = jcr.CudnnGRU(2, 6, 4, direction="bidirectional")
+  cfg = _cudnn.Config.of(spec, time_major=True, has_seq_lengths=True)
+  x, h, _ = random_inputs(spec, T, B)
+  lengths = np.array([5, 1, 3, 1, 5, 2, 4, 5], np.int32)
+  mesh = _mesh("auto")
+  x, h, _, params, lengths = _shard(mesh, (x, h, None, np.zeros(spec.params_size(), np.float32),
+                                            lengths), time_major=True)
+  cell = jnp.zeros((0,), jnp.float32)
+
+  def check(x, h0, c0, params, lengths):
+    call = jax.ffi.ffi_call("jcr_rnn_check_inputs", jax.ShapeDtypeStruct((12,), jnp.int64))
+    # One report per device, each the same (2 rows apiece): a result with no
+    # batch dimension, as `over_batch` requires.
+    return (call(x, h0, c0, params, lengths, **cfg.attrs()),)
+
+  run = jax.jit(lambda *operands: _partition.over_batch(
+      check, operands, _cudnn._batch_axes(cfg, "xhcwn"), (None,))[0])
+  report = np.asarray(run(x, h, cell, params, lengths)).tolist()
+  steps, batch = report[9], report[10]
+  assert (steps, batch) == (T, B // DEVICES), report
+  assert report[:9] == [3, 2, 6, 4, 1, 0, 0, int(cfg.allow_tf32), 1], report

@@ -9,8 +9,6 @@ output) or in the installed package; skipped only when neither exists.
 import ctypes
 import dataclasses
 import importlib.metadata
-import os
-import pathlib
 import re
 
 import jax
@@ -20,23 +18,7 @@ import pytest
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _cudnn
-
-
-def _library_path():
-  explicit = os.environ.get("JCR_NATIVE_LIBRARY")
-  if explicit:
-    return pathlib.Path(explicit)
-  return next((p for p in _cudnn._library_candidates() if p.exists()), None)
-
-
-def _loaded_library() -> ctypes.CDLL:
-  """The built library, loaded after the cuDNN wheel it links; skips where not built."""
-  path = _library_path()
-  if path is None:
-    pytest.skip("the native library was not built on this machine")
-  assert path.exists(), f"JCR_NATIVE_LIBRARY={path} does not exist"
-  _cudnn._preload_cudnn_wheel()
-  return ctypes.CDLL(str(path))
+from helpers import native_library as _loaded_library
 
 
 def test_library_exports_every_handler():
