@@ -154,6 +154,37 @@ def test_batch_sharded_equals_one_device(request, case, implementation, mode):
     assert local, model.x_shapes
 
 
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.parametrize("implementation", ["xla", "cudnn"])
+def test_inference_batch_sharded_equals_one_device(request, implementation, mode):
+  """`is_training=False`: the cuDNN path's inference call (the one that folds
+  `vmap`) is split too, and its outputs stay split."""
+  if implementation == "cudnn":
+    model = request.getfixturevalue("model")
+  spec, options = CASES["gru-batch-major-lengths"]
+  operands, _, _ = _problem(spec, options)
+
+  def infer(x, h, c, params, lengths):
+    return call(spec, x, h, c, params, is_training=False, seq_lengths=lengths,
+                implementation=implementation, time_major=False)[:2]
+
+  want = jax.jit(infer)(*operands)
+  mesh = _mesh(mode)
+  with _in(mesh, mode):
+    sharded = _shard(mesh, operands, time_major=False)
+    f = jax.jit(infer)
+    got = f(*sharded)
+    compiled = f.lower(*sharded).compile().as_text()
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14)
+  assert _spec_at(got[0], 0) == "data" and _spec_at(got[1], 1) == "data", got[0].sharding
+  assert "all-gather" not in compiled
+  if implementation == "cudnn":
+    # The model is plain JAX, which XLA could split by itself: what shows that
+    # the call was split is that it was traced with one device's rows.
+    assert (B // DEVICES, T, spec.input_size) in model.x_shapes, model.x_shapes
+
+
 @pytest.mark.parametrize("implementation", ["xla", "cudnn"])
 def test_inside_a_users_shard_map(request, implementation):
   """The README's way before the library split calls itself: the user's own
