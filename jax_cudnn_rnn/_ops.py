@@ -15,7 +15,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_cudnn_rnn import _cudnn, _params, _xla
+from jax_cudnn_rnn import _cudnn, _params, _partition, _xla
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 
@@ -118,6 +118,11 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     c0 = None
   params = _params._check_params(spec, params)
   lengths = _check_seq_lengths(seq_lengths, batch, steps)
+  # Data parallelism under explicit sharding: the states and lengths follow
+  # the data's batch sharding (zeros made above have none of their own).
+  data_axis = 1 if time_major else 0
+  h0, c0 = (_partition.batch_like(s, 1, x, data_axis) for s in (h0, c0))
+  lengths = _partition.batch_like(lengths, 0, x, data_axis)
   apply_dropout = bool(is_training) and spec.dropout > 0 and spec.num_layers > 1
   if apply_dropout:
     if dropout_key is None:

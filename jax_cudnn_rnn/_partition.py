@@ -83,6 +83,38 @@ def _lead(operands, in_axes):
 # -- explicit sharding: shard_map over the batch ----------------------------------------
 
 
+def _explicit(x):
+  """`(mesh, spec)` of `x`'s type where it carries an explicit mesh, else None."""
+  sharding = jax.typeof(x).sharding
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+    return None
+  return mesh, sharding.spec
+
+
+def _entry(spec, axis: int):
+  return spec[axis] if len(spec) > axis else None
+
+
+def batch_like(array, axis: int, like, like_axis: int):
+  """`array`, its dimension `axis` sharded as `like`'s dimension `like_axis`
+  is, under explicit sharding; as is otherwise (or when they already agree).
+
+  The initial states a caller leaves out are zeros with no sharding of their
+  own, and a `lax.scan` whose carry starts replicated and comes back split by
+  batch is refused; so the states and lengths follow the data's batch.
+  """
+  explicit = _explicit(like)
+  if array is None or explicit is None:
+    return array
+  mesh, spec = explicit
+  entry = _entry(spec, like_axis)
+  own = _explicit(array)
+  if own is not None and _entry(own[1], axis) == entry:
+    return array
+  return jax.sharding.reshard(array, _spec(entry, axis, array.ndim))
+
+
 def explicit_over_batch(fn, operands, in_axes: Axes, out_axes: Axes):
   """`fn(*operands)`, run under `jax.shard_map` over the mesh axes that split
   the batch where the arrays' types carry an explicit mesh; as is otherwise.
@@ -92,12 +124,11 @@ def explicit_over_batch(fn, operands, in_axes: Axes, out_axes: Axes):
   summed over the batch's devices.
   """
   x, axis = _lead(operands, in_axes)
-  sharding = jax.typeof(x).sharding
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+  explicit = _explicit(x)
+  if explicit is None:
     return fn(*operands)
-  spec = sharding.spec
-  entry, _ = _split(dict(mesh.shape), spec[axis] if len(spec) > axis else None, x.shape[axis])
+  mesh, spec = explicit
+  entry, _ = _split(dict(mesh.shape), _entry(spec, axis), x.shape[axis])
   in_specs = tuple(_spec(entry, a, o.ndim) for o, a in zip(operands, in_axes))
   operands = tuple(jax.sharding.reshard(o, s) for o, s in zip(operands, in_specs))
   out_ndims = [o.ndim for o in jax.eval_shape(fn, *operands)]
@@ -179,8 +210,7 @@ def over_batch(fn, operands, in_axes: Axes, out_axes: Axes, *, summed: bool = Fa
   def partition(mesh, arg_shapes, result_shapes):
     sharding = arg_shapes[lead_index].sharding
     spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
-    axis = in_axes[lead_index]
-    entry, axes = _split(dict(mesh.shape), spec[axis] if len(spec) > axis else None, batch)
+    entry, axes = _split(dict(mesh.shape), _entry(spec, in_axes[lead_index]), batch)
     arg_shardings = tuple(NamedSharding(mesh, _spec(entry, a, s.ndim))
                           for s, a in zip(arg_shapes, in_axes))
     result_shardings = tuple(NamedSharding(mesh, _spec(entry, a, s.ndim))

@@ -27,7 +27,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _cudnn, _partition
+from jax_cudnn_rnn import _cudnn, _partition, linen
 from handler_model import HandlerModel
 from helpers import call, native_library, random_inputs
 
@@ -253,3 +253,30 @@ def test_native_handler_receives_its_devices_rows():
   steps, batch = report[9], report[10]
   assert (steps, batch) == (T, B // DEVICES), report
   assert report[:9] == [3, 2, 6, 4, 1, 0, 0, int(cfg.allow_tf32), 1], report
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.parametrize("implementation", ["xla", "cudnn"])
+def test_linen_module_train_step(request, implementation, mode):
+  """A Flax module (batch-major, initial state left to the module: zeros that
+  carry no sharding of their own) in a jitted gradient step on a sharded batch."""
+  if implementation == "cudnn":
+    request.getfixturevalue("model")
+  m = linen.LSTM(features=6, num_layers=2, bidirectional=True, param_dtype=jnp.float64,
+                 implementation=implementation)
+  x = np.asarray(jax.random.normal(jax.random.key(0), (B, T, 3), jnp.float64))
+  variables = m.init(jax.random.key(1), x)
+
+  def loss(variables, x):
+    return jnp.sum(jnp.sin(m.apply(variables, x)))
+
+  step = jax.jit(jax.value_and_grad(loss))
+  want_value, want_grads = step(variables, x)
+  mesh = _mesh(mode)
+  with _in(mesh, mode):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
+    vs = jax.device_put(variables, NamedSharding(mesh, P()))
+    value, grads = step(vs, xs)
+  np.testing.assert_allclose(value, want_value, rtol=1e-12)
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12),
+               grads, want_grads)
