@@ -133,8 +133,11 @@ def explicit_over_batch(fn, operands, in_axes: Axes, out_axes: Axes):
   operands = tuple(jax.sharding.reshard(o, s) for o, s in zip(operands, in_specs))
   out_ndims = [o.ndim for o in jax.eval_shape(fn, *operands)]
   out_specs = tuple(_spec(entry, a, n) for a, n in zip(out_axes, out_ndims))
+  # check_vma=False: JAX then sums the replicated weights' cotangents over the
+  # mesh itself, without reading how values vary (whose attribute has changed
+  # names across JAX versions; see `varying_axes`).
   return jax.shard_map(lambda *args: tuple(fn(*args)), mesh=mesh, in_specs=in_specs,
-                       out_specs=out_specs)(*operands)
+                       out_specs=out_specs, check_vma=False)(*operands)
 
 
 def varying_axes(x) -> frozenset:
@@ -151,9 +154,11 @@ def varying_axes(x) -> frozenset:
 
 def sum_to_match(cotangent, primal):
   """`cotangent`, summed over the manual axes it varies over and `primal` does
-  not. Inside `shard_map`, weights replicated over the batch's devices get
-  per-device partial gradients from the cuDNN calls; a `custom_vjp` must return
-  their sum, with the replicated type of the weights."""
+  not. Inside a user's `shard_map` (with `check_vma`, its default), weights
+  replicated over the batch's devices get per-device partial gradients from
+  the cuDNN calls; a `custom_vjp` must return their sum, with the replicated
+  type of the weights. (Where the vma attribute cannot be read, nothing is
+  summed and JAX refuses the mismatched type: an error, not a wrong sum.)"""
   extra = varying_axes(cotangent) - varying_axes(primal)
   return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
 
