@@ -280,3 +280,27 @@ def test_linen_module_train_step(request, implementation, mode):
   np.testing.assert_allclose(value, want_value, rtol=1e-12)
   jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12),
                grads, want_grads)
+
+
+def test_uneven_batch_is_not_split(model):
+  """Auto sharding, a batch of 6 constrained inside `jit` to be split 4 ways
+  (XLA pads uneven splits; `device_put` refuses them): the cuDNN calls must
+  not run on padded rows, so each runs on the whole batch and the results are
+  still the one-device ones."""
+  spec, options = CASES["lstm-2-layers-bidirectional"]
+  operands, loss, _ = _problem(spec, options)
+  x, h, c, params, _ = operands
+  x, h, c = x[:, :6], h[:, :6], c[:, :6]
+  mesh = _mesh("auto")
+  split = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(None, "data", None)))
+
+  def constrained(x, h, c, params):
+    return loss(split(x), split(h), split(c), params, None, "cudnn")
+
+  want = jax.jit(jax.value_and_grad(lambda *a: loss(*a, None, "cudnn"), argnums=(0, 1, 2, 3)))(
+      x, h, c, params)
+  got = jax.jit(jax.value_and_grad(constrained, argnums=(0, 1, 2, 3)))(x, h, c, params)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-12)
+  for g, w in zip(got[1], want[1]):
+    np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+  assert not [s for s in model.x_shapes if 6 not in s], model.x_shapes  # never a part
