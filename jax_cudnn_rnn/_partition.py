@@ -75,9 +75,9 @@ def _spec(entry, axis: int | None, ndim: int) -> P:
   return P(*(entry if d == axis else None for d in range(ndim)))
 
 
-def _lead(operands, in_axes):
-  """The first operand with a batch dimension, and that dimension."""
-  return next((a, axis) for a, axis in zip(operands, in_axes) if axis is not None)
+def _lead(in_axes: Axes) -> int:
+  """The index of the first operand with a batch dimension."""
+  return next(i for i, axis in enumerate(in_axes) if axis is not None)
 
 
 # -- explicit sharding: shard_map over the batch ----------------------------------------
@@ -107,8 +107,7 @@ def batch_like(array, axis: int, like, like_axis: int):
   explicit = _explicit(like)
   if array is None or explicit is None:
     return array
-  mesh, spec = explicit
-  entry = _entry(spec, like_axis)
+  entry = _entry(explicit[1], like_axis)
   own = _explicit(array)
   if own is not None and _entry(own[1], axis) == entry:
     return array
@@ -123,7 +122,8 @@ def explicit_over_batch(fn, operands, in_axes: Axes, out_axes: Axes):
   operands without one (the weights) are replicated, so their gradients are
   summed over the batch's devices.
   """
-  x, axis = _lead(operands, in_axes)
+  lead = _lead(in_axes)
+  x, axis = operands[lead], in_axes[lead]
   explicit = _explicit(x)
   if explicit is None:
     return fn(*operands)
@@ -209,13 +209,13 @@ def over_batch(fn, operands, in_axes: Axes, out_axes: Axes, *, summed: bool = Fa
     return tuple(fn(*operands))
   outs = jax.eval_shape(fn, *operands)
   rule, others = _rule(operands, in_axes, outs, out_axes)
-  lead_index = next(i for i, a in enumerate(in_axes) if a is not None)
-  batch = operands[lead_index].shape[in_axes[lead_index]]
+  lead = _lead(in_axes)
+  batch = operands[lead].shape[in_axes[lead]]
 
   def partition(mesh, arg_shapes, result_shapes):
-    sharding = arg_shapes[lead_index].sharding
+    sharding = arg_shapes[lead].sharding
     spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
-    entry, axes = _split(dict(mesh.shape), _entry(spec, in_axes[lead_index]), batch)
+    entry, axes = _split(dict(mesh.shape), _entry(spec, in_axes[lead]), batch)
     arg_shardings = tuple(NamedSharding(mesh, _spec(entry, a, s.ndim))
                           for s, a in zip(arg_shapes, in_axes))
     result_shardings = tuple(NamedSharding(mesh, _spec(entry, a, s.ndim))
