@@ -83,9 +83,8 @@ int JcrProbeWeightLayout(int64_t cell_mode, int64_t num_layers, int64_t hidden_s
                          int32_t allow_tf32, int32_t data_type, int64_t element_size,
                          uint64_t* weight_space_out, int64_t* layout_out, int64_t capacity,
                          char* error, size_t error_size) {
-  jcr::RnnKey key = jcr::MakeKey(cell_mode, num_layers, hidden_size, input_size, bidirectional,
-                                 skip_input, /*batch_major=*/0, allow_tf32, data_type,
-                                 /*max_seq_length=*/1, /*batch_size=*/1);
+  jcr::RnnKey key = jcr::WeightLayoutKey(cell_mode, num_layers, hidden_size, input_size,
+                                         bidirectional, skip_input, allow_tf32, data_type);
   return jcr::ReportToC(jcr::Probe(key, element_size, weight_space_out, layout_out, capacity),
                         error, error_size);
 }

@@ -3,7 +3,6 @@
 #include <memory>
 #include <string>
 
-#include "rnn_descriptors.h"
 #include "status.h"
 
 namespace jcr {
@@ -72,6 +71,14 @@ Error ReadWeightLayout(cudnnHandle_t handle, cudnnRNNDescriptor_t rnn, const Rnn
     }
   }
   return Error::Success();
+}
+
+RnnKey WeightLayoutKey(int64_t cell_mode, int64_t num_layers, int64_t hidden_size,
+                       int64_t input_size, int32_t bidirectional, int32_t skip_input,
+                       int32_t allow_tf32, int32_t data_type) {
+  return MakeKey(cell_mode, num_layers, hidden_size, input_size, bidirectional, skip_input,
+                 /*batch_major=*/0, allow_tf32, data_type, /*max_seq_length=*/1,
+                 /*batch_size=*/1);
 }
 
 }  // namespace jcr
