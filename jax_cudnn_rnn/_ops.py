@@ -4,9 +4,11 @@ Every check happens at trace time on static shapes and dtypes, so bad input
 raises `ValueError`/`TypeError` naming the argument, the expected and the
 actual value before anything reaches XLA or cuDNN.
 
-`seq_lengths` values are traced, so they cannot be checked here: they are
-clamped to `[0, T]` (a length of 0 leaves the initial state as the final state
-and an all-zero output).
+`seq_lengths` values are checked where they are known (outside `jit`, or a
+NumPy array or list closed over): a length outside `[0, T]` raises
+`ValueError`. Traced values cannot be checked at trace time; they are clamped to
+`[0, T]` on every backend, so both give the same answer (a length of 0 leaves
+the initial state as the final state and an all-zero output).
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ def _check_seq_lengths(seq_lengths, batch, steps):
                      f"got {tuple(seq_lengths.shape)}")
   if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
     raise TypeError(f"seq_lengths must have an integer dtype, got {np.dtype(seq_lengths.dtype).name}")
+  if not isinstance(seq_lengths, jax.core.Tracer):
+    values = np.asarray(seq_lengths)
+    bad = np.flatnonzero((values < 0) | (values > steps))
+    if bad.size:
+      raise ValueError(f"seq_lengths must be in [0, {steps}] (0 to the number of steps), got "
+                       f"{values[bad[0]]} for sequence {bad[0]}")
   return jnp.clip(seq_lengths, 0, steps).astype(jnp.int32)
 
 

@@ -163,7 +163,9 @@ def _read(directory: epath.Path, spec, dtype=None) -> jax.Array:
   w_shapes = [t.shape for t in _layout.tensors(spec)[0]]
   b_shapes = [t.shape for t in _layout.tensors(spec)[1]]
   try:
-    with np.load(os.fspath(arrays_path), allow_pickle=False) as data:
+    # Our own file handle: np.load leaves the file it opened open when the
+    # archive is damaged.
+    with open(os.fspath(arrays_path), "rb") as f, np.load(f, allow_pickle=False) as data:
       arrays = {}
       for name, shape in zip(names, w_shapes + b_shapes):
         if name not in data.files:

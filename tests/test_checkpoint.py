@@ -1,7 +1,9 @@
 """Canonical trees, save/restore, Orbax args, spec checks and damaged checkpoints."""
 
+import gc
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +129,18 @@ def test_damaged_checkpoints_raise(tmp_path, how, message):
   _damage(tmp_path / "c", how)
   with pytest.raises(ck.CheckpointError, match=message):
     ck.restore(tmp_path / "c", spec)
+
+
+def test_damaged_arrays_file_is_closed(tmp_path):
+  spec = jcr.CudnnLSTM(1, 4, 3)
+  ck.save(tmp_path / "c", spec, spec.init_params(jax.random.key(0)))
+  _damage(tmp_path / "c", "truncated")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with pytest.raises(ck.CheckpointError, match="damaged"):
+      ck.restore(tmp_path / "c", spec)
+    gc.collect()
+  assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 def test_missing_directory(tmp_path):

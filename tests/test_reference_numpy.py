@@ -87,11 +87,22 @@ def test_seq_lengths_equal_running_each_sequence_alone():
     np.testing.assert_allclose(cn[:, b], cb[:, 0], rtol=1e-12, atol=1e-12)
 
 
-def test_seq_lengths_out_of_range_are_clamped():
+def test_seq_lengths_out_of_range_raise_where_known():
   spec = jcr.CudnnGRU(1, 3, 2, dtype=jnp.float64)
   params = spec.init_params(jax.random.key(0))
   x, h, _ = random_inputs(spec, 4, 2)
-  y1, h1 = spec(x, h, params, seq_lengths=np.array([9, -2]))
+  with pytest.raises(ValueError, match=r"seq_lengths must be in \[0, 4\].*got 9 for sequence 0"):
+    spec(x, h, params, seq_lengths=np.array([9, 1]))
+  with pytest.raises(ValueError, match=r"got -2 for sequence 1"):
+    spec(x, h, params, seq_lengths=[3, -2])
+
+
+def test_traced_seq_lengths_out_of_range_are_clamped():
+  spec = jcr.CudnnGRU(1, 3, 2, dtype=jnp.float64)
+  params = spec.init_params(jax.random.key(0))
+  x, h, _ = random_inputs(spec, 4, 2)
+  run = jax.jit(lambda lengths: spec(x, h, params, seq_lengths=lengths))
+  y1, h1 = run(np.array([9, -2]))
   y2, h2 = spec(x, h, params, seq_lengths=np.array([4, 0]))
   np.testing.assert_array_equal(y1, y2)
   np.testing.assert_array_equal(h1, h2)
