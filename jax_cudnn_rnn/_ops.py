@@ -32,8 +32,11 @@ def _as_array(name: str, value) -> jax.Array:
 
 def _check_dtype(name: str, array: jax.Array, dtype: np.dtype) -> None:
   if np.dtype(array.dtype) != dtype:
+    hint = ""
+    if dtype == np.float64 and not jax.config.jax_enable_x64:
+      hint = " (JAX makes float64 arrays only with jax.config.update('jax_enable_x64', True))"
     raise TypeError(f"{name} must have dtype {dtype.name} (the spec's dtype), "
-                    f"got {np.dtype(array.dtype).name}")
+                    f"got {np.dtype(array.dtype).name}{hint}")
 
 
 def _check_state(spec, name, state, batch):

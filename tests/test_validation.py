@@ -90,3 +90,12 @@ def test_cudnn_unavailable_is_a_clear_error():
   x, h, params = _good(GRU)
   with pytest.raises(RuntimeError, match="implementation='cudnn' cannot run here"):
     GRU(x, h, params, implementation="cudnn")
+
+
+def test_float64_spec_without_x64_says_how_to_enable_it():
+  spec = jcr.CudnnGRU(1, 4, 3, dtype=jnp.float64)
+  with jax.enable_x64(False):
+    x = jnp.ones((5, 2, 3))  # float32: JAX cannot make float64 here
+    params = jnp.zeros(spec.params_size(), jnp.float32)
+    with pytest.raises(TypeError, match=r"must have dtype float64 .* got float32 .*jax_enable_x64"):
+      spec(x, None, params)
