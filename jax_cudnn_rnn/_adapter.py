@@ -26,6 +26,14 @@ def make_spec(rnn_mode: str, *, features: int, num_layers: int, input_size: int,
       dropout=dropout_rate)
 
 
+def _describe(value) -> str:
+  if hasattr(value, "shape"):
+    return f"an array of shape {tuple(value.shape)}"
+  if isinstance(value, (tuple, list)):
+    return f"a {type(value).__name__} of {len(value)}"
+  return type(value).__name__
+
+
 def run(spec, params, inputs, initial_carry, *, seq_lengths, dropout_key, training: bool,
         time_major: bool, implementation, return_carry: bool):
   """Runs `spec` (whose dtype is the compute dtype) on module-style arguments.
@@ -39,6 +47,10 @@ def run(spec, params, inputs, initial_carry, *, seq_lengths, dropout_key, traini
   if initial_carry is None:
     h0 = c0 = None
   elif spec.has_cell_state:
+    if not isinstance(initial_carry, (tuple, list)) or len(initial_carry) != 2:
+      raise TypeError("initial_carry of an LSTM must be a pair (h, c) of "
+                      "[num_layers * num_dirs, batch, features] arrays, got "
+                      f"{_describe(initial_carry)}")
     h0, c0 = (jnp.asarray(a, dtype) for a in initial_carry)
   else:
     h0, c0 = jnp.asarray(initial_carry, dtype), None

@@ -116,3 +116,19 @@ def test_orbax_checkpoint_of_train_state(tmp_path):
 def test_bad_activation():
   with pytest.raises(ValueError, match="activation must be"):
     linen.SimpleRNN(4, activation="gelu").init(jax.random.key(0), jnp.ones((1, 2, 3)))
+
+
+def test_lstm_carry_must_be_a_pair():
+  m = linen.LSTM(4)
+  x = jnp.ones((2, 3, 5), jnp.float32)
+  variables = m.init(jax.random.key(0), x)
+  h = jnp.zeros((1, 2, 4), jnp.float32)
+  with pytest.raises(TypeError, match=r"initial_carry of an LSTM must be a pair \(h, c\).*"
+                                      r"got an array of shape \(1, 2, 4\)"):
+    m.apply(variables, x, h)
+  with pytest.raises(TypeError, match="got a tuple of 3"):
+    m.apply(variables, x, (h, h, h))
+  c = jnp.full((1, 2, 4), 0.5, jnp.float32)
+  _, outputs = m.clone(return_carry=True).apply(variables, x, (h, c))
+  expected = m.spec(5)(jnp.swapaxes(x, 0, 1), h, c, variables["params"]["opaque_params"])[0]
+  np.testing.assert_allclose(outputs, jnp.swapaxes(expected, 0, 1), rtol=1e-6)
