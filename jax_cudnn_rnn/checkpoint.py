@@ -22,7 +22,8 @@ Canonical tree (stable names, a file format): `{"layer_<l>": {"forward" |
 Restoring checks the spec (each differing field named), the format version,
 every array's presence and shape; any problem raises `CheckpointError` and
 returns nothing partial. `save` writes through Orbax's atomic temporary
-directory and only then replaces an existing checkpoint.
+directory and only then replaces an existing checkpoint; it refuses to replace
+a file or a directory that is not a checkpoint.
 """
 
 from __future__ import annotations
@@ -219,9 +220,37 @@ class RNNParamsRestore(ocp.args.CheckpointArgs):
   dtype: Any = None
 
 
+# What a checkpoint directory written by `save` holds (ours and Orbax's files).
+_CHECKPOINT_ENTRIES = frozenset({SPEC_FILE, ARRAYS_FILE, "_CHECKPOINT_METADATA",
+                                 "commit_success.txt"})
+
+
+def _is_replaceable(directory: epath.Path) -> bool:
+  """Whether `save` may replace what is at `directory`: an empty directory or
+  one of our checkpoints (even a damaged one), never a file or other data."""
+  if not directory.is_dir():
+    return False
+  entries = set(os.listdir(os.fspath(directory)))
+  if entries <= _CHECKPOINT_ENTRIES:
+    return True
+  try:  # a checkpoint from a newer Orbax may hold more files
+    return json.loads((directory / SPEC_FILE).read_text()).get("format") == FORMAT
+  except (OSError, ValueError, AttributeError):
+    return False
+
+
 def save(directory, spec, params) -> None:
-  """Saves `params` of `spec` to `directory`, replacing a checkpoint there only on success."""
+  """Saves `params` of `spec` to `directory`, replacing a checkpoint there only on success.
+
+  Raises `CheckpointError` (writing nothing) where `directory` exists and is
+  neither empty nor a checkpoint of this module: a file or a folder of other
+  data is never replaced.
+  """
   directory = epath.Path(directory).absolute()
+  if directory.exists() and not _is_replaceable(directory):
+    kind = "a directory that is not a jax_cudnn_rnn checkpoint" if directory.is_dir() else "a file"
+    raise CheckpointError(f"{directory} exists and is {kind}; save replaces only an empty "
+                          "directory or an earlier checkpoint, so nothing was written")
   directory.parent.mkdir(parents=True, exist_ok=True)
   staging = epath.Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
   try:

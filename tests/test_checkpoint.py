@@ -178,3 +178,30 @@ def test_checkpoint_restores_on_another_backend_layout(tmp_path):
   with np.load(tmp_path / "c" / ck.ARRAYS_FILE) as data:
     weights, _ = spec.params_to_canonical(params)
     np.testing.assert_array_equal(data["layer_0/forward/W_r"], weights[0])
+
+
+def test_save_never_replaces_other_data(tmp_path):
+  spec = jcr.CudnnGRU(1, 4, 3)
+  params = spec.init_params(jax.random.key(0))
+  (tmp_path / "notes.txt").write_text("mine")
+  (tmp_path / "data").mkdir()
+  (tmp_path / "data" / "train.csv").write_text("1,2")
+  with pytest.raises(ck.CheckpointError, match="exists and is a file"):
+    ck.save(tmp_path / "notes.txt", spec, params)
+  with pytest.raises(ck.CheckpointError, match="is a directory that is not a jax_cudnn_rnn checkpoint"):
+    ck.save(tmp_path / "data", spec, params)
+  assert (tmp_path / "notes.txt").read_text() == "mine"
+  assert os.listdir(tmp_path / "data") == ["train.csv"]
+  assert sorted(os.listdir(tmp_path)) == ["data", "notes.txt"]  # no staging left behind
+  (tmp_path / "empty").mkdir()
+  ck.save(tmp_path / "empty", spec, params)  # an empty directory is fine
+  np.testing.assert_array_equal(ck.restore(tmp_path / "empty", spec), params)
+
+
+def test_save_replaces_a_damaged_checkpoint(tmp_path):
+  spec = jcr.CudnnGRU(1, 4, 3)
+  params = spec.init_params(jax.random.key(0))
+  ck.save(tmp_path / "c", spec, params)
+  (tmp_path / "c" / ck.SPEC_FILE).write_text("{not json")
+  ck.save(tmp_path / "c", spec, params + 1)
+  np.testing.assert_array_equal(ck.restore(tmp_path / "c", spec), params + 1)
