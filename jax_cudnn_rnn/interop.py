@@ -113,6 +113,11 @@ def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
 def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
   """An opaque buffer from a torch RNN state dict (numpy arrays or tensors)."""
   g = spec.num_gates
+  extra = set(state_dict) - {f"{k}_{_torch_suffix(l, d)}" for l in range(spec.num_layers)
+                             for d in range(spec.num_dirs)
+                             for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+  if extra:
+    raise ValueError(f"state_dict has keys {sorted(extra)} that {spec} has no place for")
   per = {}
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):
@@ -122,15 +127,17 @@ def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
       except KeyError as e:
         raise ValueError(f"state_dict has no {e.args[0]} (needed by {spec}); "
                          "proj_size and bias=False are not supported") from None
+      rows, units = g * spec.num_units, spec.num_units
+      expected = ((rows, spec.layer_input_size(layer)), (rows, units), (rows,), (rows,))
+      for key, part, shape in zip(("weight_ih", "weight_hh", "bias_ih", "bias_hh"), parts,
+                                  expected):
+        if part.shape != shape:
+          raise ValueError(f"state_dict['{key}_{s}'] has shape {part.shape}, expected {shape} "
+                           f"({g} gates of {units} units) for {spec}")
       W, R, bW, bR = (np.split(p, g) for p in parts)
       if not spec.layer_has_input_weights(layer):
         _check_skip_identity(spec, W, f"weight_ih_{s}")
       per[layer, d] = (W, R, bW, bR)
-  extra = set(state_dict) - {f"{k}_{_torch_suffix(l, d)}" for l in range(spec.num_layers)
-                             for d in range(spec.num_dirs)
-                             for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
-  if extra:
-    raise ValueError(f"state_dict has keys {sorted(extra)} that {spec} has no place for")
   return _from_per_direction(spec, per)
 
 

@@ -42,6 +42,11 @@ def test_torch_refusals():
   good = interop.to_torch_state_dict(spec, spec.init_params(jax.random.key(0)))
   with pytest.raises(ValueError, match="weight_hr_l0"):
     interop.from_torch_state_dict(spec, good | {"weight_hr_l0": np.zeros((4, 4))})
+  gru = jcr.CudnnGRU(1, 4, 4)
+  gru_sd = interop.to_torch_state_dict(gru, gru.init_params(jax.random.key(0)))
+  with pytest.raises(ValueError, match=r"state_dict\['weight_ih_l0'\] has shape \(12, 4\), "
+                                       r"expected \(16, 4\) \(4 gates of 4 units\)"):
+    interop.from_torch_state_dict(spec, gru_sd)  # a GRU's state dict into an LSTM
 
 
 @pytest.mark.parametrize("cls,direction", [(c, d) for c in SPEC_CLASSES
