@@ -86,6 +86,19 @@ def _check_skip_identity(spec, W, where: str):
                      "identities; these are not, and cannot be represented")
 
 
+def _grid(name: str, value, spec):
+  """`value` checked to be `[num_layers][num_dirs]` nested sequences."""
+  layers, dirs = spec.num_layers, spec.num_dirs
+  if not isinstance(value, Sequence) or len(value) != layers:
+    raise ValueError(f"{name} must hold {layers} entries (one per layer of {spec}), got "
+                     f"{len(value) if isinstance(value, Sequence) else type(value).__name__}")
+  for layer, entry in enumerate(value):
+    if not isinstance(entry, Sequence) or len(entry) != dirs:
+      raise ValueError(f"{name}[{layer}] must hold {dirs} entries (one per direction), got "
+                       f"{len(entry) if isinstance(entry, Sequence) else type(entry).__name__}")
+  return value
+
+
 # -- PyTorch -------------------------------------------------------------------------
 
 
@@ -183,13 +196,25 @@ def to_flax_linen_cells(spec, params) -> list[list[dict]]:
 
 def from_flax_linen_cells(spec, cells: Sequence[Sequence[Mapping]]):
   """An opaque buffer from Flax linen cell params `[layer][direction]`."""
+  cells = _grid("cells", cells, spec)
   per = {}
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):
       c = cells[layer][d]
       c = c.get("params", c)
-      k = lambda name: _np(c[name]["kernel"]).T
-      b = lambda name: _np(c[name]["bias"])
+      H = spec.num_units
+
+      def leaf(name, part, shape):
+        array = _np(c[name][part])
+        if array.shape != shape:
+          raise ValueError(f"cells[{layer}][{d}]['{name}']['{part}'] has shape {array.shape}, "
+                           f"expected {shape} for {spec}")
+        return array
+
+      # Input kernels are named i*, recurrent ones h*; Flax kernels are [in, out].
+      k = lambda name: leaf(name, "kernel", (
+          (spec.layer_input_size(layer) if name[0] == "i" else H), H)).T
+      b = lambda name: leaf(name, "bias", (H,))
       try:
         if spec.rnn_mode == "lstm":
           W = [k(f"i{q}") for q in _LSTM_GATES]
@@ -309,6 +334,7 @@ def from_flax_nnx_cells(spec, cells: Sequence[Sequence[Any]]):
   """An opaque buffer from Flax nnx cells `[layer][direction]`: modules, or their
   `nnx.to_pure_dict(nnx.state(cell, nnx.Param))` trees."""
   from flax import nnx
+  cells = _grid("cells", cells, spec)
   g = spec.num_gates
   per = {}
   for layer in range(spec.num_layers):
@@ -368,10 +394,23 @@ def from_keras_weights(spec, weights: Sequence[Sequence[Sequence[Any]]]):
   order = _KERAS_ORDER[spec.rnn_mode]
   inverse = np.argsort(order)
   g = spec.num_gates
+  weights = _grid("weights", weights, spec)
   per = {}
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):
+      where = f"weights[{layer}][{d}]"
+      if len(weights[layer][d]) != 3:
+        raise ValueError(f"{where} must be [kernel, recurrent_kernel, bias], got "
+                         f"{len(weights[layer][d])} arrays")
       kernel, recurrent, bias = (_np(a) for a in weights[layer][d])
+      cols = g * spec.num_units
+      for part, array, shape in (("kernel", kernel, (spec.layer_input_size(layer), cols)),
+                                 ("recurrent_kernel", recurrent, (spec.num_units, cols))):
+        if array.shape != shape:
+          raise ValueError(f"{where} {part} has shape {array.shape}, expected {shape} "
+                           f"({g} gates of {spec.num_units} units) for {spec}")
+      if spec.rnn_mode != "gru" and bias.shape != (cols,):
+        raise ValueError(f"{where} bias has shape {bias.shape}, expected {(cols,)} for {spec}")
       split = lambda m: [np.split(m, g, axis=-1)[j] for j in inverse]
       W = [w.T for w in split(kernel)]
       R = [r.T for r in split(recurrent)]

@@ -1,5 +1,6 @@
 """Converters: round trips, and outputs equal to PyTorch modules, Keras layers, Flax cells."""
 
+import dataclasses
 import os
 
 import jax
@@ -99,6 +100,19 @@ def test_flax_cells_refuse_wrong_cell():
     interop.from_flax_linen_cells(spec, cells)
   with pytest.raises(ValueError, match="cell must be"):
     interop.flax_linen_cell(jcr.CudnnLSTM(1, 4, 3), "GRUCell")
+
+
+def test_flax_cells_refuse_wrong_structure_and_shapes():
+  spec = jcr.CudnnLSTM(2, 4, 3, direction="bidirectional")
+  cells = interop.to_flax_linen_cells(spec, spec.init_params(jax.random.key(0)))
+  with pytest.raises(ValueError, match=r"cells must hold 2 entries \(one per layer"):
+    interop.from_flax_linen_cells(spec, cells[:1])
+  with pytest.raises(ValueError, match=r"cells\[1\] must hold 2 entries \(one per direction\), got 1"):
+    interop.from_flax_linen_cells(spec, [cells[0], cells[1][:1]])
+  wider = dataclasses.replace(spec, num_units=5)
+  with pytest.raises(ValueError, match=r"cells\[0\]\[0\]\['ii'\]\['kernel'\] has shape "
+                                       r"\(3, 4\), expected \(3, 5\)"):
+    interop.from_flax_linen_cells(wider, cells)
 
 
 def _nnx_expressible_params(spec, seed=0):
@@ -234,6 +248,24 @@ def test_keras_weights_round_trip(cls, direction, mode):
       np.testing.assert_allclose(u, v, rtol=1e-12, atol=1e-12)
   if spec.rnn_mode == "gru":  # GRU keeps both biases: exact
     np.testing.assert_array_equal(back, params)
+
+
+def test_keras_weights_refuse_wrong_structure_and_shapes():
+  lstm, gru = jcr.CudnnLSTM(2, 4, 3), jcr.CudnnGRU(2, 4, 3)
+  gru_weights = interop.to_keras_weights(gru, gru.init_params(jax.random.key(0)))
+  with pytest.raises(ValueError, match=r"weights\[0\]\[0\] kernel has shape \(3, 12\), "
+                                       r"expected \(3, 16\) \(4 gates of 4 units\)"):
+    interop.from_keras_weights(lstm, gru_weights)
+  weights = interop.to_keras_weights(lstm, lstm.init_params(jax.random.key(0)))
+  with pytest.raises(ValueError, match="weights must hold 2 entries"):
+    interop.from_keras_weights(lstm, weights[:1])
+  with pytest.raises(ValueError, match=r"must be \[kernel, recurrent_kernel, bias\], got 2"):
+    interop.from_keras_weights(lstm, [weights[0], [weights[1][0][:2]]])
+  kernel, recurrent, bias = weights[1][0]
+  with pytest.raises(ValueError, match=r"weights\[1\]\[0\] recurrent_kernel has shape \(16, 4\)"):
+    interop.from_keras_weights(lstm, [weights[0], [[kernel, recurrent.T, bias]]])
+  with pytest.raises(ValueError, match=r"bias has shape \(2, 16\), expected \(16,\)"):
+    interop.from_keras_weights(lstm, [weights[0], [[kernel, recurrent, np.stack([bias, bias])]]])
 
 
 def test_keras_gru_without_reset_after_is_refused():
