@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from jax_cudnn_rnn import _cudnn, checkpoint, interop, linen
 
 VOCAB = 256  # bytes
+MIN_CORPUS_BYTES = 10_000
 
 
 def load_corpus(max_bytes: int) -> np.ndarray:
@@ -44,7 +45,7 @@ def load_corpus(max_bytes: int) -> np.ndarray:
     if total >= max_bytes:
       break
   corpus = np.frombuffer(b"".join(chunks)[:max_bytes], np.uint8)
-  if corpus.size < 10_000:
+  if corpus.size < MIN_CORPUS_BYTES:
     raise RuntimeError(f"found only {corpus.size} bytes of text under {root}")
   return corpus
 
@@ -130,18 +131,41 @@ def make_steps(model: CharLM, optimizer):
   return train_step, eval_loss
 
 
+def _int_at_least(minimum: int):
+  """An argparse type: an int no smaller than `minimum`."""
+  def parse(text: str) -> int:
+    value = int(text)
+    if value < minimum:
+      raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+    return value
+  parse.__name__ = "int"  # argparse names the type in "invalid int value"
+  return parse
+
+
+def _float_in(low: float, high: float, *, high_open: bool = True, low_open: bool = False):
+  """An argparse type: a float in the range `[low, high)` (or as the flags say)."""
+  def parse(text: str) -> float:
+    value = float(text)
+    if value < low or value > high or (high_open and value == high) or (low_open and value == low):
+      left, right = "(" if low_open else "[", ")" if high_open else "]"
+      raise argparse.ArgumentTypeError(f"must be in {left}{low:g}, {high:g}{right}, got {value:g}")
+    return value
+  parse.__name__ = "float"
+  return parse
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jax_cudnn_rnn.demo", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
-  parser.add_argument("--batch", type=int, default=32, help="sequences per step (default 32)")
-  parser.add_argument("--seq-len", type=int, default=64, help="characters per sequence (default 64)")
-  parser.add_argument("--hidden", type=int, default=128, help="LSTM units (default 128)")
-  parser.add_argument("--layers", type=int, default=2, help="LSTM layers (default 2)")
-  parser.add_argument("--dropout", type=float, default=0.1, help="inter-layer dropout (default 0.1)")
-  parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
-  parser.add_argument("--data-bytes", type=int, default=2_000_000, help="corpus size (default 2e6)")
-  parser.add_argument("--sample-len", type=int, default=300, help="sampled characters (default 300)")
+  parser.add_argument("--steps", type=_int_at_least(0), default=600, help="training steps (default 600)")
+  parser.add_argument("--batch", type=_int_at_least(1), default=32, help="sequences per step (default 32)")
+  parser.add_argument("--seq-len", type=_int_at_least(1), default=64, help="characters per sequence (default 64)")
+  parser.add_argument("--hidden", type=_int_at_least(1), default=128, help="LSTM units (default 128)")
+  parser.add_argument("--layers", type=_int_at_least(1), default=2, help="LSTM layers (default 2)")
+  parser.add_argument("--dropout", type=_float_in(0.0, 1.0), default=0.1, help="inter-layer dropout (default 0.1)")
+  parser.add_argument("--lr", type=_float_in(0.0, float("inf"), low_open=True), default=3e-3, help="Adam learning rate (default 3e-3)")
+  parser.add_argument("--data-bytes", type=_int_at_least(MIN_CORPUS_BYTES), default=2_000_000, help="corpus size (default 2e6)")
+  parser.add_argument("--sample-len", type=_int_at_least(0), default=300, help="sampled characters (default 300)")
   parser.add_argument("--checkpoint-dir", default=None, help="where to save (default: a temp dir)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--quick", action="store_true", help="a few tiny steps (for tests)")

@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from jax_cudnn_rnn import _cudnn, demo
 
 
@@ -25,3 +27,17 @@ def test_corpus_is_real_text():
   corpus = demo.load_corpus(50_000)
   assert corpus.size == 50_000
   assert b"def " in corpus.tobytes() and b"import" in corpus.tobytes()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch", "0"], "argument --batch: must be at least 1, got 0"),
+    (["--dropout", "1"], r"argument --dropout: must be in \[0, 1\), got 1"),
+    (["--lr", "-0.1"], r"argument --lr: must be in \(0, inf\), got -0.1"),
+    (["--data-bytes", "100"], "argument --data-bytes: must be at least 10000, got 100"),
+    (["--layers", "two"], "argument --layers: invalid int value: 'two'"),
+])
+def test_bad_options_are_usage_errors(capsys, argv, message):
+  with pytest.raises(SystemExit) as exit_info:
+    demo.main(argv)
+  assert exit_info.value.code == 2
+  assert re.search(message, capsys.readouterr().err)
