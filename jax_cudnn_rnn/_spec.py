@@ -14,6 +14,8 @@ buffer created by `init_params` or `canonical_to_params`, and passed to
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import numbers
 from typing import Any, ClassVar
 
@@ -258,3 +260,26 @@ class CudnnRNNRelu(_CudnnRNNNoC):
   """cuDNN-style Elman RNN: `h' = relu(W x + bW + R h + bR)`."""
 
   rnn_mode: ClassVar[str] = "rnn_relu"
+
+
+
+def check_spec(spec, where: str) -> None:
+  """A `TypeError` naming `where` and what was passed, unless `spec` is one of
+  the four specs (rather than an `AttributeError` from deep inside)."""
+  if not isinstance(spec, CudnnRNNBase):
+    shown = repr(spec)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise TypeError(f"{where}: spec must be a CudnnLSTM, CudnnGRU, CudnnRNNTanh or "
+                    f"CudnnRNNRelu, got {type(spec).__name__} {shown}")
+
+
+def takes_spec(fn):
+  """Decorates a public function with a `spec` argument with `check_spec`."""
+  signature = inspect.signature(fn)
+
+  @functools.wraps(fn)
+  def checked(*args, **kwargs):
+    check_spec(signature.bind_partial(*args, **kwargs).arguments.get("spec"), fn.__name__)
+    return fn(*args, **kwargs)
+
+  return checked

@@ -43,7 +43,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _layout
+from jax_cudnn_rnn import _layout, _spec
 
 FORMAT = "jax_cudnn_rnn.canonical"
 VERSION = 1
@@ -70,6 +70,7 @@ def _names(spec) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]
   return [name(t) for t in weights], [name(t) for t in biases]
 
 
+@_spec.takes_spec
 def to_canonical_tree(spec, params) -> dict:
   """The opaque buffer as a nested dict of named canonical arrays (see module doc)."""
   weights, biases = spec.params_to_canonical(params)
@@ -80,6 +81,7 @@ def to_canonical_tree(spec, params) -> dict:
   return tree
 
 
+@_spec.takes_spec
 def from_canonical_tree(spec, tree) -> jax.Array:
   """Inverse of `to_canonical_tree`: an opaque buffer of `spec.dtype`."""
   w_names, b_names = _names(spec)
@@ -97,6 +99,7 @@ def from_canonical_tree(spec, tree) -> jax.Array:
   return spec.canonical_to_params(get(w_names), get(b_names))
 
 
+@_spec.takes_spec
 def spec_to_dict(spec) -> dict:
   d = {"class": type(spec).__name__}
   for f in _SPEC_FIELDS:
@@ -210,6 +213,9 @@ class RNNParamsSave(ocp.args.CheckpointArgs):
   spec: Any
   params: Any
 
+  def __post_init__(self):
+    _spec.check_spec(self.spec, type(self).__name__)
+
 
 @ocp.args.register_with_handler(RNNParamsHandler, for_restore=True)
 @dataclasses.dataclass
@@ -218,6 +224,9 @@ class RNNParamsRestore(ocp.args.CheckpointArgs):
 
   spec: Any
   dtype: Any = None
+
+  def __post_init__(self):
+    _spec.check_spec(self.spec, type(self).__name__)
 
 
 # What a checkpoint directory written by `save` holds (ours and Orbax's files).
@@ -239,6 +248,7 @@ def _is_replaceable(directory: epath.Path) -> bool:
     return False
 
 
+@_spec.takes_spec
 def save(directory, spec, params) -> None:
   """Saves `params` of `spec` to `directory`, replacing a checkpoint there only on success.
 
@@ -265,6 +275,7 @@ def save(directory, spec, params) -> None:
     shutil.rmtree(os.fspath(staging), ignore_errors=True)
 
 
+@_spec.takes_spec
 def restore(directory, spec, dtype=None) -> jax.Array:
   """Restores an opaque buffer of `spec` (cast to `dtype` if given) from `directory`."""
   directory = epath.Path(directory).absolute()

@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from jax_cudnn_rnn import _layout
+from jax_cudnn_rnn import _layout, _spec
 
 
 def _np(a) -> np.ndarray:
@@ -106,6 +106,7 @@ def _torch_suffix(layer, d):
   return f"l{layer}" + ("_reverse" if d == 1 else "")
 
 
+@_spec.takes_spec
 def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
   """Keys and values of `torch.nn.LSTM/GRU/RNN(..., bias=True)` with the same config."""
   out = {}
@@ -123,6 +124,7 @@ def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
   return out
 
 
+@_spec.takes_spec
 def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
   """An opaque buffer from a torch RNN state dict (numpy arrays or tensors)."""
   g = spec.num_gates
@@ -159,6 +161,7 @@ def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
 _LSTM_GATES = "ifgo"
 
 
+@_spec.takes_spec
 def flax_linen_cell(spec, cell: str = "LSTMCell"):
   """The Flax linen cell module matching `spec` (one per layer and direction)."""
   import flax.linen as nn
@@ -174,6 +177,7 @@ def flax_linen_cell(spec, cell: str = "LSTMCell"):
   return nn.SimpleCell(H, activation_fn=act, param_dtype=spec.dtype)
 
 
+@_spec.takes_spec
 def to_flax_linen_cells(spec, params) -> list[list[dict]]:
   """Flax linen cell params `[layer][direction]` (each `{"kernel"...}` trees under cell names)."""
   out = [[None] * spec.num_dirs for _ in range(spec.num_layers)]
@@ -194,6 +198,7 @@ def to_flax_linen_cells(spec, params) -> list[list[dict]]:
   return out
 
 
+@_spec.takes_spec
 def from_flax_linen_cells(spec, cells: Sequence[Sequence[Mapping]]):
   """An opaque buffer from Flax linen cell params `[layer][direction]`."""
   cells = _grid("cells", cells, spec)
@@ -253,6 +258,7 @@ def _nnx_cell_kind(spec, cell: str) -> str:
   return cell
 
 
+@_spec.takes_spec
 def flax_nnx_cell(spec, layer: int, cell: str | None = None, *, rngs=None):
   """A Flax nnx cell module for `layer` of `spec` (its weights freshly initialised)."""
   from flax import nnx
@@ -307,6 +313,7 @@ def _from_nnx_tree(kind, tree, g, units):
   return W, R, bW, [np.zeros_like(b) for b in bW]
 
 
+@_spec.takes_spec
 def to_flax_nnx_cells(spec, params, cell: str | None = None) -> list[list[Any]]:
   """Flax nnx cell modules `[layer][direction]` holding the weights of `params`.
 
@@ -330,6 +337,7 @@ def to_flax_nnx_cells(spec, params, cell: str | None = None) -> list[list[Any]]:
   return out
 
 
+@_spec.takes_spec
 def from_flax_nnx_cells(spec, cells: Sequence[Sequence[Any]]):
   """An opaque buffer from Flax nnx cells `[layer][direction]`: modules, or their
   `nnx.to_pure_dict(nnx.state(cell, nnx.Param))` trees."""
@@ -369,6 +377,7 @@ def from_flax_nnx_cells(spec, cells: Sequence[Sequence[Any]]):
 _KERAS_ORDER = {"lstm": [0, 1, 2, 3], "gru": [1, 0, 2], "rnn_tanh": [0], "rnn_relu": [0]}
 
 
+@_spec.takes_spec
 def to_keras_weights(spec, params) -> list[list[list[np.ndarray]]]:
   """Keras 3 layer weights `[layer][direction] = [kernel, recurrent_kernel, bias]`.
 
@@ -389,6 +398,7 @@ def to_keras_weights(spec, params) -> list[list[list[np.ndarray]]]:
   return out
 
 
+@_spec.takes_spec
 def from_keras_weights(spec, weights: Sequence[Sequence[Sequence[Any]]]):
   """An opaque buffer from Keras 3 weights `[layer][direction] = [kernel, recurrent, bias]`."""
   order = _KERAS_ORDER[spec.rnn_mode]
@@ -457,6 +467,7 @@ def _tf1_leaves(spec) -> tuple[tuple[str, ...], tuple[str, ...]]:
   return ("kernel",), ("bias",)
 
 
+@_spec.takes_spec
 def tf1_checkpoint_names(spec, *, scope: str | None = None) -> list[str]:
   """The names TF1's `CudnnOpaqueParamsSaveable` saves for `spec`, in its order:
   every weight (layer by layer, forward then backward direction), then every bias.
@@ -471,6 +482,7 @@ def tf1_checkpoint_names(spec, *, scope: str | None = None) -> list[str]:
           + [f"{p}/{leaf}" for p in prefixes for leaf in biases])
 
 
+@_spec.takes_spec
 def to_tf1_checkpoint(spec, params, *, scope: str | None = None) -> dict[str, np.ndarray]:
   """`{name: array}` as TF1's `CudnnOpaqueParamsSaveable` saves `params` (see module doc).
 
@@ -508,6 +520,7 @@ def _tf1_missing_message(spec, tensors, missing: list[str], scope) -> str:
   return message
 
 
+@_spec.takes_spec
 def from_tf1_checkpoint(spec, tensors: Mapping[str, Any], *, scope: str | None = None):
   """An opaque buffer from TF1 `tf.contrib.cudnn_rnn` checkpoint tensors.
 

@@ -205,3 +205,16 @@ def test_save_replaces_a_damaged_checkpoint(tmp_path):
   (tmp_path / "c" / ck.SPEC_FILE).write_text("{not json")
   ck.save(tmp_path / "c", spec, params + 1)
   np.testing.assert_array_equal(ck.restore(tmp_path / "c", spec), params + 1)
+
+
+def test_a_spec_that_is_not_one_is_a_type_error(tmp_path):
+  params = jnp.zeros(10)
+  message = r"spec must be a CudnnLSTM, CudnnGRU, CudnnRNNTanh or CudnnRNNRelu, got str 'lstm'"
+  for call in (lambda: ck.save(tmp_path / "c", "lstm", params),
+               lambda: ck.restore(tmp_path / "c", "lstm"),
+               lambda: ck.to_canonical_tree("lstm", params),
+               lambda: ck.RNNParamsSave("lstm", params),
+               lambda: ck.RNNParamsRestore(spec="lstm")):
+    with pytest.raises(TypeError, match=message):
+      call()
+  assert not (tmp_path / "c").exists()

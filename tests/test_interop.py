@@ -273,3 +273,16 @@ def test_keras_gru_without_reset_after_is_refused():
   kernel, recurrent, bias = interop.to_keras_weights(spec, spec.init_params(jax.random.key(0)))[0][0]
   with pytest.raises(ValueError, match="reset_after"):
     interop.from_keras_weights(spec, [[[kernel, recurrent, bias[0]]]])
+
+
+@pytest.mark.parametrize("name", [
+    "to_torch_state_dict", "from_torch_state_dict", "flax_linen_cell", "to_flax_linen_cells",
+    "from_flax_linen_cells", "to_flax_nnx_cells", "from_flax_nnx_cells", "to_keras_weights",
+    "from_keras_weights", "tf1_checkpoint_names", "to_tf1_checkpoint", "from_tf1_checkpoint"])
+def test_a_spec_that_is_not_one_is_a_type_error(name):
+  convert = getattr(interop, name)
+  args = () if name in ("flax_linen_cell", "tf1_checkpoint_names") else ({},)
+  with pytest.raises(TypeError, match=rf"{name}: spec must be a CudnnLSTM, .* got dict \{{\}}"):
+    convert({}, *args)
+  with pytest.raises(TypeError, match=rf"{name}: spec must be .* got NoneType None"):
+    convert(None, *args)
