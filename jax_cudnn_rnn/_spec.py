@@ -262,7 +262,6 @@ class CudnnRNNRelu(_CudnnRNNNoC):
   rnn_mode: ClassVar[str] = "rnn_relu"
 
 
-
 def check_spec(spec, where: str) -> None:
   """A `TypeError` naming `where` and what was passed, unless `spec` is one of
   the four specs (rather than an `AttributeError` from deep inside)."""
