@@ -48,6 +48,14 @@ def _np(a) -> np.ndarray:
   return np.asarray(a)
 
 
+def _shaped(where: str, value, shape: tuple, context: str) -> np.ndarray:
+  """`value` as numpy, or a ValueError naming `where` unless it has `shape`."""
+  array = _np(value)
+  if array.shape != shape:
+    raise ValueError(f"{where} has shape {array.shape}, expected {shape} {context}")
+  return array
+
+
 def _per_direction(spec, params):
   """`{(layer, direction): (W list | None, R list, bW list, bR list)}` as numpy."""
   weights, biases = spec.params_to_canonical(params)
@@ -137,18 +145,16 @@ def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):
       s = _torch_suffix(layer, d)
-      try:
-        parts = [_np(state_dict[f"{k}_{s}"]) for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
-      except KeyError as e:
-        raise ValueError(f"state_dict has no {e.args[0]} (needed by {spec}); "
-                         "proj_size and bias=False are not supported") from None
+      keys = [f"{k}_{s}" for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+      missing = [k for k in keys if k not in state_dict]
+      if missing:
+        raise ValueError(f"state_dict has no {missing[0]} (needed by {spec}); "
+                         "proj_size and bias=False are not supported")
       rows, units = g * spec.num_units, spec.num_units
       expected = ((rows, spec.layer_input_size(layer)), (rows, units), (rows,), (rows,))
-      for key, part, shape in zip(("weight_ih", "weight_hh", "bias_ih", "bias_hh"), parts,
-                                  expected):
-        if part.shape != shape:
-          raise ValueError(f"state_dict['{key}_{s}'] has shape {part.shape}, expected {shape} "
-                           f"({g} gates of {units} units) for {spec}")
+      parts = [_shaped(f"state_dict['{k}']", state_dict[k], shape,
+                       f"({g} gates of {units} units) for {spec}")
+               for k, shape in zip(keys, expected)]
       W, R, bW, bR = (np.split(p, g) for p in parts)
       if not spec.layer_has_input_weights(layer):
         _check_skip_identity(spec, W, f"weight_ih_{s}")
@@ -210,11 +216,8 @@ def from_flax_linen_cells(spec, cells: Sequence[Sequence[Mapping]]):
       H = spec.num_units
 
       def leaf(name, part, shape):
-        array = _np(c[name][part])
-        if array.shape != shape:
-          raise ValueError(f"cells[{layer}][{d}]['{name}']['{part}'] has shape {array.shape}, "
-                           f"expected {shape} for {spec}")
-        return array
+        return _shaped(f"cells[{layer}][{d}]['{name}']['{part}']", c[name][part], shape,
+                       f"for {spec}")
 
       # Input kernels are named i*, recurrent ones h*; Flax kernels are [in, out].
       k = lambda name: leaf(name, "kernel", (
@@ -412,15 +415,13 @@ def from_keras_weights(spec, weights: Sequence[Sequence[Sequence[Any]]]):
       if len(weights[layer][d]) != 3:
         raise ValueError(f"{where} must be [kernel, recurrent_kernel, bias], got "
                          f"{len(weights[layer][d])} arrays")
-      kernel, recurrent, bias = (_np(a) for a in weights[layer][d])
+      kernel, recurrent, bias = weights[layer][d]
       cols = g * spec.num_units
-      for part, array, shape in (("kernel", kernel, (spec.layer_input_size(layer), cols)),
-                                 ("recurrent_kernel", recurrent, (spec.num_units, cols))):
-        if array.shape != shape:
-          raise ValueError(f"{where} {part} has shape {array.shape}, expected {shape} "
-                           f"({g} gates of {spec.num_units} units) for {spec}")
-      if spec.rnn_mode != "gru" and bias.shape != (cols,):
-        raise ValueError(f"{where} bias has shape {bias.shape}, expected {(cols,)} for {spec}")
+      gates = f"({g} gates of {spec.num_units} units) for {spec}"
+      kernel = _shaped(f"{where} kernel", kernel, (spec.layer_input_size(layer), cols), gates)
+      recurrent = _shaped(f"{where} recurrent_kernel", recurrent, (spec.num_units, cols), gates)
+      bias = (_np(bias) if spec.rnn_mode == "gru"  # its own check below names reset_after
+              else _shaped(f"{where} bias", bias, (cols,), f"for {spec}"))
       split = lambda m: [np.split(m, g, axis=-1)[j] for j in inverse]
       W = [w.T for w in split(kernel)]
       R = [r.T for r in split(recurrent)]
