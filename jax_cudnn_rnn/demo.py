@@ -142,13 +142,13 @@ def _int_at_least(minimum: int):
   return parse
 
 
-def _float_in(low: float, high: float, *, high_open: bool = True, low_open: bool = False):
-  """An argparse type: a float in the range `[low, high)` (or as the flags say)."""
+def _float_in(low: float, high: float, *, low_open: bool = False):
+  """An argparse type: a float in `[low, high)`, or `(low, high)` when `low_open`."""
   def parse(text: str) -> float:
     value = float(text)
-    if value < low or value > high or (high_open and value == high) or (low_open and value == low):
-      left, right = "(" if low_open else "[", ")" if high_open else "]"
-      raise argparse.ArgumentTypeError(f"must be in {left}{low:g}, {high:g}{right}, got {value:g}")
+    if value < low or value >= high or (low_open and value == low):
+      raise argparse.ArgumentTypeError(
+          f"must be in {'(' if low_open else '['}{low:g}, {high:g}), got {value:g}")
     return value
   parse.__name__ = "float"
   return parse
