@@ -6,14 +6,18 @@
     y, h, c = lstm(x, None, None, params, is_training=False)
 """
 
-from jax_cudnn_rnn._spec import (
+from jax_cudnn_rnn import _requirements
+
+_requirements.check_jax()
+
+from jax_cudnn_rnn._spec import (  # noqa: E402  (after the version check)
     CudnnGRU,
     CudnnLSTM,
     CudnnRNNBase,
     CudnnRNNRelu,
     CudnnRNNTanh,
 )
-from jax_cudnn_rnn._dropout import keep_mask as dropout_keep_mask
+from jax_cudnn_rnn._dropout import keep_mask as dropout_keep_mask  # noqa: E402
 
 __all__ = [
     "CudnnGRU",

@@ -1,0 +1,41 @@
+"""The oldest JAX this package works with, checked when it is imported.
+
+Not in DESIGN §4's layout: a file of its own because the check has to run
+before anything else in the package is imported, and it owns one idea.
+
+The "xla" path's gradient is a `custom_jvp` whose tangent is a second
+`lax.scan`, transposed by JAX for reverse mode. JAX before 0.10 fails to
+transpose it: jax 0.6 and 0.7 stop on an internal `AssertionError` in the scan
+transpose rule, jax 0.8 and 0.9 on a `TypeError` about a `ValAccum` (measured
+with jax 0.6.2, 0.7.2, 0.8.3 and 0.9.2: `tests/test_transforms.py`). pip
+enforces `pyproject.toml`'s `jax>=0.10`, but an install with `--no-deps`, or a
+JAX downgraded afterwards, would reach those errors from deep inside JAX at the
+first `jax.grad`; this check says what is wrong at import instead.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+
+MIN_JAX = (0, 10, 0)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+  """The leading numeric release of a version string: "0.11.0.dev2026" -> (0, 11, 0)."""
+  match = re.match(r"\d+(?:\.\d+)*", version)
+  if match is None:
+    raise ValueError(f"not a version: {version!r}")
+  return tuple(int(part) for part in match.group(0).split("."))
+
+
+def check_jax(version: str | None = None) -> None:
+  """Raises ImportError when JAX's `version` (the installed one's by default)
+  is older than `MIN_JAX`."""
+  version = jax.__version__ if version is None else version
+  if version_tuple(version) < MIN_JAX:
+    minimum = ".".join(map(str, MIN_JAX))
+    raise ImportError(
+        f"jax_cudnn_rnn needs jax >= {minimum}, but jax {version} is installed: older JAX "
+        f"cannot differentiate its RNNs. Upgrade with `pip install -U 'jax>={minimum}'`.")
