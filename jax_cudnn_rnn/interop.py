@@ -110,8 +110,11 @@ def _grid(name: str, value, spec):
 # -- PyTorch -------------------------------------------------------------------------
 
 
-def _torch_suffix(layer, d):
-  return f"l{layer}" + ("_reverse" if d == 1 else "")
+def _torch_keys(layer, d) -> list[str]:
+  """The state-dict keys of one layer and direction: `weight_ih`, `weight_hh`,
+  `bias_ih`, `bias_hh` (the order of `W, R, bW, bR`)."""
+  suffix = f"l{layer}" + ("_reverse" if d == 1 else "")
+  return [f"{k}_{suffix}" for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
 
 
 @_spec.takes_spec
@@ -120,11 +123,7 @@ def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
   out = {}
   for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
     W = _identity_inputs(spec) if W is None else W
-    s = _torch_suffix(layer, d)
-    out[f"weight_ih_{s}"] = np.concatenate(W)
-    out[f"weight_hh_{s}"] = np.concatenate(R)
-    out[f"bias_ih_{s}"] = np.concatenate(bW)
-    out[f"bias_hh_{s}"] = np.concatenate(bR)
+    out.update(zip(_torch_keys(layer, d), map(np.concatenate, (W, R, bW, bR))))
   if as_tensors:
     import torch
     out = {k: torch.from_numpy(np.ascontiguousarray(v.astype(np.float32) if v.dtype.itemsize < 4
@@ -136,16 +135,14 @@ def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
 def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
   """An opaque buffer from a torch RNN state dict (numpy arrays or tensors)."""
   g = spec.num_gates
-  extra = set(state_dict) - {f"{k}_{_torch_suffix(l, d)}" for l in range(spec.num_layers)
-                             for d in range(spec.num_dirs)
-                             for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+  extra = set(state_dict) - {k for l in range(spec.num_layers) for d in range(spec.num_dirs)
+                             for k in _torch_keys(l, d)}
   if extra:
     raise ValueError(f"state_dict has keys {sorted(extra)} that {spec} has no place for")
   per = {}
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):
-      s = _torch_suffix(layer, d)
-      keys = [f"{k}_{s}" for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+      keys = _torch_keys(layer, d)
       missing = [k for k in keys if k not in state_dict]
       if missing:
         raise ValueError(f"state_dict has no {missing[0]} (needed by {spec}); "
@@ -157,7 +154,7 @@ def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
                for k, shape in zip(keys, expected)]
       W, R, bW, bR = (np.split(p, g) for p in parts)
       if not spec.layer_has_input_weights(layer):
-        _check_skip_identity(spec, W, f"weight_ih_{s}")
+        _check_skip_identity(spec, W, keys[0])
       per[layer, d] = (W, R, bW, bR)
   return _from_per_direction(spec, per)
 
