@@ -98,7 +98,8 @@ def _from_bytes(reserve, cfg, dtype, x_shape):
 
 
 class HandlerModel:
-  """Replaces `jax.ffi.ffi_call` and `_cudnn.query_sizes` (see the module docstring)."""
+  """Replaces `jax.ffi.ffi_call`, `_cudnn.query_sizes` and `_cudnn.weight_layout`
+  (see the module docstring)."""
 
   def __init__(self):
     self.calls = collections.Counter()
@@ -110,6 +111,19 @@ class HandlerModel:
     return dict(weight_space=_layout.params_size(spec) * np.dtype(dtype).itemsize,
                 workspace_inference=0, workspace_training=0,
                 reserve_space=_reserve_size(cfg, dtype, x_shape))
+
+  @staticmethod
+  def weight_layout(spec):
+    """`_cudnn.weight_layout`'s rows for the model: the analytic layout, with
+    no input matrices for layer 0 under skip_input (offset -1, size 0)."""
+    weights, biases = _layout.tensors(spec)
+    rows = np.zeros((spec.num_layers * spec.num_dirs, 2 * spec.num_gates, 5), np.int64)
+    rows[..., 0] = rows[..., 3] = -1
+    for t in weights:
+      rows[t.layer * spec.num_dirs + t.direction, t.index, :3] = (t.offset, *t.shape)
+    for t in biases:
+      rows[t.layer * spec.num_dirs + t.direction, t.index, 3:] = (t.offset, t.shape[0])
+    return rows
 
   def ffi_call(self, target, result_shape_dtypes, *, vmap_method=None,
                input_output_aliases=None, **unused):

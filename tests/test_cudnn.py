@@ -2,7 +2,9 @@
 
 Every test here is marked `gpu` and skipped where JAX sees no CUDA device or
 the native library was not built; run them wherever a CUDA GPU is at hand:
-`pytest -m gpu -v`.
+`pytest -m gpu -v`. On any machine, `test_gpu_dry_run.py` runs each test not
+marked `needs_device` once against a model of the handlers, so that a mistake
+in this file shows before GPU time is spent on it.
 """
 
 import itertools
@@ -18,6 +20,9 @@ from helpers import SPEC_CLASSES, assert_layout_is_analytic, call, random_inputs
 
 _available, _why = _cudnn.availability()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _available, reason=_why or "no CUDA")]
+# Needs a real CUDA device or the real handlers: `gpu_dry_run.py`, which runs the
+# other tests on a CPU against a model of the handlers, leaves these out.
+needs_device = pytest.mark.needs_device
 
 TOLERANCE = {jnp.float64: 1e-9, jnp.float32: 2e-5, jnp.float16: 2e-2, jnp.bfloat16: 8e-2}
 
@@ -89,6 +94,7 @@ def test_half_precision(cls, dtype):
     assert "cuDNN rejected" in str(e) and dtype == jnp.bfloat16, e
 
 
+@needs_device
 def test_default_implementation_runs_every_dtype():
   """implementation=None uses cuDNN where it accepts the dtype and XLA where it does not."""
   for dtype in (jnp.float16, jnp.bfloat16):
@@ -103,6 +109,7 @@ def test_default_implementation_runs_every_dtype():
     assert _rel_err(y, ref) < TOLERANCE[dtype], (dtype, _rel_err(y, ref))
 
 
+@needs_device
 def test_forward_mode_on_gpu_takes_the_xla_path():
   """Documented: the cuDNN path is reverse mode only; jvp needs implementation="xla"."""
   spec = jcr.CudnnGRU(1, 8, 4, dtype=jnp.float64)
@@ -135,6 +142,7 @@ def test_analytic_layout_equals_cudnn(cls, direction, mode):
                     mode == "skip_input", False, False, False), spec.dtype, 1, 1)["weight_space"]
 
 
+@needs_device
 def test_default_implementation_uses_cudnn_on_gpu():
   spec = jcr.CudnnLSTM(1, 8, 4)
   params = spec.init_params(jax.random.key(0))
@@ -152,7 +160,7 @@ def test_vmap_of_cudnn_matches_loop(time_major):
   """Inference folds the vmapped axis into cuDNN's batch; gradients are per element."""
   spec = jcr.CudnnLSTM(2, 8, 4, direction="bidirectional", dtype=jnp.float32)
   params = spec.init_params(jax.random.key(0))
-  xs = jax.random.normal(jax.random.key(1), (3, 5, 2, 4))
+  xs = jax.random.normal(jax.random.key(1), (3, 5, 2, 4), jnp.float32)
   if not time_major:
     xs = jnp.swapaxes(xs, 1, 2)
   lengths = jnp.array([[5, 1], [3, 4], [0, 5]], jnp.int32)
@@ -170,10 +178,11 @@ def test_vmap_of_cudnn_matches_loop(time_major):
                                  rtol=1e-5, atol=1e-6)
 
 
+@needs_device
 def test_memory_is_flat_over_many_calls():
   spec = jcr.CudnnLSTM(2, 64, 32, direction="bidirectional")
   params = spec.init_params(jax.random.key(0))
-  x = jax.random.normal(jax.random.key(1), (20, 8, 32))
+  x = jax.random.normal(jax.random.key(1), (20, 8, 32), jnp.float32)
   step = jax.jit(jax.grad(lambda p, x: jnp.sum(spec(x, None, None, p)[0] ** 2)))
   device = jax.devices("cuda")[0]
   g = step(params, x).block_until_ready()
@@ -186,6 +195,7 @@ def test_memory_is_flat_over_many_calls():
   assert after - before < 1 << 20, (before, after)
 
 
+@needs_device
 def test_bad_input_reaching_the_handler_is_an_error_not_a_crash():
   _cudnn._registered_library()
   cfg = _cudnn.Config("gru", 1, 8, 4, False, False, False, False, True)
