@@ -1,0 +1,87 @@
+"""`benchmarks/run.py` runs end to end on a one-shape grid: on this CPU, and in
+its GPU configuration with the handler model (`handler_model.py`) standing in
+for cuDNN, so that its GPU code (the cuDNN contender, the peers that need a GPU,
+the table against `ours-cudnn`) first runs here and not on a lent GPU.
+
+The timings mean nothing here. What is checked: every contender that can run
+is timed in both phases, one that cannot is reported and left out (not
+fatal), and the markdown table's ratios are the JSON's medians divided.
+"""
+
+import importlib.util
+import json
+import pathlib
+import re
+import sys
+
+import jax
+import pytest
+
+from jax_cudnn_rnn import _cudnn
+from handler_model import HandlerModel
+
+ROOT = pathlib.Path(__file__).parent.parent
+TINY = dict(mode="lstm", batch=2, seq_len=3, input_size=4, hidden=5, layers=2,
+            bidirectional=True, dtype="float32")
+
+
+def _load_benchmark():
+  spec = importlib.util.spec_from_file_location("benchmark_run", ROOT / "benchmarks" / "run.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # its dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module
+
+
+def _has_torch() -> bool:
+  return importlib.util.find_spec("torch") is not None
+
+
+@pytest.mark.parametrize("as_gpu", [False, True], ids=["cpu", "gpu-with-handler-model"])
+def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
+  run = _load_benchmark()
+  shape = run.Shape(**TINY)
+  monkeypatch.setattr(run, "grid", lambda quick, gpu: [shape])
+  if as_gpu:
+    model = HandlerModel()
+    monkeypatch.setattr(_cudnn, "availability", lambda: (True, ""))
+    monkeypatch.setattr(_cudnn, "query_sizes", model.query_sizes)
+    monkeypatch.setattr(_cudnn, "cudnn_order", lambda spec: None)
+    monkeypatch.setattr(jax.ffi, "ffi_call", model.ffi_call)
+  assert run.main(["--quick", "--repeats", "2", "--warmup", "1", "--rounds", "1",
+                   "--out-dir", str(tmp_path), "--machine", "test"]) == 0
+  printed = capsys.readouterr().out
+
+  record = json.loads(next(tmp_path.glob("test-*-quick.json")).read_text())
+  assert record["machine"] == "test" and record["repeats"] == 2
+  assert {"jax", "numpy", "cudnn"} <= set(record["versions"])
+  ours = "ours-cudnn" if as_gpu else "ours-xla"
+  timed = {"ours-xla", "flax-scan"} | ({"ours-cudnn"} if as_gpu else set())
+  if _has_torch() and not as_gpu:
+    timed.add("torch")
+  results = {(r["impl"], r["phase"]): r for r in record["results"]}
+  assert set(results) == {(i, p) for i in timed for p in ("fwd", "fwd+bwd")}
+  for (impl, _), r in results.items():
+    assert r["median_s"] > 0 and r["repeats"] == 2 and r["shape"] == shape.name
+    if impl != "torch":  # XLA's memory analysis, on any backend
+      assert r["memory_bytes"] > 0, r
+  if as_gpu:  # this CPU has no CUDA: those peers are reported, and the run goes on
+    assert re.search(r"jax\.experimental\.rnn\s+skipped:", printed), printed
+    if _has_torch():
+      assert re.search(r"torch\s+skipped:", printed), printed
+
+  # The table: against ours-cudnn on a GPU, ours-xla elsewhere; ours-xla is
+  # then no peer.
+  table = next(tmp_path.glob("test-*-quick.md")).read_text()
+  peers = sorted(timed - {"ours-xla", "ours-cudnn"})
+  for phase in ("fwd", "fwd+bwd"):
+    section = table.split(f"## {phase}\n")[1].split("##")[0]
+    header, _, row = [line for line in section.splitlines() if line.startswith("|")][:3]
+    assert header == "| shape | ours (ms) | " + " | ".join(f"{p} (ms) | ratio" for p in peers) + " |"
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == shape.name
+    mine = results[ours, phase]["median_s"]
+    assert float(cells[1]) == pytest.approx(mine * 1e3, abs=0.006)
+    for k, peer in enumerate(peers):
+      ratio = results[peer, phase]["median_s"] / mine
+      assert float(cells[3 + 2 * k].rstrip("x")) == pytest.approx(ratio, abs=0.006)
