@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_session.sh                  # build gpu-tests
 #   bash benchmarks/gpu_session.sh suite bench-full # any stages, in order
 #
-# Stages: build, gpu-tests (test_cudnn.py, plus the native library's CPU checks
-# and the cuDNN path's plumbing tests), demo, suite (every test, on the GPU backend: the
+# Stages: build, gpu-tests (test_cudnn.py and the native library's checks; the
+# plumbing tests are CPU-only and run in `suite`), demo, suite (every test, on the GPU backend: the
 # adapters and the demo then run cuDNN through implementation=None),
 # bench-quick, bench-full. A device command may run 10 minutes, so the stages
 # of one call share a budget (BUDGET seconds, default 570): each gets what is
@@ -57,9 +57,16 @@ for stage in "${stages[@]}"; do
         -Ccmake.define.JCR_REQUIRE_CUDA=ON 2>&1 | tail -20 | tee '$out/build.log'"
       versions ;;
     gpu-tests)
-      run_stage gpu-tests bash -c "set -o pipefail; python3 -m pytest -v -rs tests/test_cudnn.py \
-        tests/test_native_library.py tests/test_cudnn_plumbing.py 2>&1 \
-        | tee '$out/gpu-tests-$stamp.log' | tail -40" ;;
+      # The quick checks first (the library, the layout with a real handle, dispatch,
+      # errors, memory), then the sweeps, so a stage cut short by the budget still has them.
+      layout=tests/test_cudnn.py::test_analytic_layout_equals_cudnn
+      run_stage gpu-tests bash -c "set -o pipefail; {
+        rc=0
+        python3 -m pytest -v -rs tests/test_native_library.py $layout || rc=1
+        python3 -m pytest -v -rs tests/test_cudnn.py -m needs_device || rc=1
+        python3 -m pytest -v -rs --durations=10 tests/test_cudnn.py -m 'not needs_device' \\
+          --deselect $layout || rc=1
+        exit \$rc; } 2>&1 | tee '$out/gpu-tests-$stamp.log' | tail -60" ;;
     demo)
       run_stage demo bash -c "set -o pipefail; python3 -m jax_cudnn_rnn.demo 2>&1 | sed -u 's/\r/\n/g' \
         | tee '$out/demo-$stamp.log' | tail -25" ;;
