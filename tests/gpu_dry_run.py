@@ -16,17 +16,9 @@ The patches are applied when the plugin is imported, before `test_cudnn.py`
 asks `_cudnn.availability()` at its own import.
 """
 
-import jax
-
-from jax_cudnn_rnn import _cudnn
 from handler_model import HandlerModel
 
-_model = HandlerModel()
-_cudnn.availability = lambda: (True, "")
-_cudnn.query_sizes = _model.query_sizes
-_cudnn.weight_layout = _model.weight_layout
-_cudnn.cudnn_order = lambda spec: None
-jax.ffi.ffi_call = _model.ffi_call
+HandlerModel().install(setattr)
 
 
 def pytest_collection_modifyitems(config, items):

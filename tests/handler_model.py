@@ -98,8 +98,8 @@ def _from_bytes(reserve, cfg, dtype, x_shape):
 
 
 class HandlerModel:
-  """Replaces `jax.ffi.ffi_call`, `_cudnn.query_sizes` and `_cudnn.weight_layout`
-  (see the module docstring)."""
+  """Stands in for `jax.ffi.ffi_call` and `_cudnn`'s queries (`install`; see
+  the module docstring)."""
 
   def __init__(self):
     self.calls = collections.Counter()
@@ -111,6 +111,20 @@ class HandlerModel:
     return dict(weight_space=_layout.params_size(spec) * np.dtype(dtype).itemsize,
                 workspace_inference=0, workspace_training=0,
                 reserve_space=_reserve_size(cfg, dtype, x_shape))
+
+  def install(self, set_attribute, *, handlers=True):
+    """Stands the model in for cuDNN: `_cudnn` reports it available, with the
+    model's sizes and layout (the analytic one, so no gather); with `handlers`,
+    the model also answers the FFI calls (without, they can be lowered, not
+    run). `set_attribute` is `setattr`, or pytest's `monkeypatch.setattr`, which
+    undoes it after the test."""
+    set_attribute(_cudnn, "availability", lambda: (True, ""))
+    set_attribute(_cudnn, "query_sizes", self.query_sizes)
+    set_attribute(_cudnn, "weight_layout", self.weight_layout)
+    set_attribute(_cudnn, "cudnn_order", lambda spec: None)
+    if handlers:
+      set_attribute(jax.ffi, "ffi_call", self.ffi_call)
+    return self
 
   @staticmethod
   def weight_layout(spec):

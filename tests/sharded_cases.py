@@ -46,12 +46,7 @@ def _four_devices():
 @pytest.fixture
 def model(monkeypatch):
   """The cuDNN calls answered by the handler model (see the module docstring)."""
-  model = HandlerModel()
-  monkeypatch.setattr(_cudnn, "query_sizes", model.query_sizes)
-  monkeypatch.setattr(_cudnn, "cudnn_order", lambda spec: None)
-  monkeypatch.setattr(_cudnn, "availability", lambda: (True, ""))
-  monkeypatch.setattr(jax.ffi, "ffi_call", model.ffi_call)
-  return model
+  return HandlerModel().install(monkeypatch.setattr)
 
 
 def _mesh(mode):

@@ -14,10 +14,8 @@ import pathlib
 import re
 import sys
 
-import jax
 import pytest
 
-from jax_cudnn_rnn import _cudnn
 from handler_model import HandlerModel
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -43,11 +41,7 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   shape = run.Shape(**TINY)
   monkeypatch.setattr(run, "grid", lambda quick, gpu: [shape])
   if as_gpu:
-    model = HandlerModel()
-    monkeypatch.setattr(_cudnn, "availability", lambda: (True, ""))
-    monkeypatch.setattr(_cudnn, "query_sizes", model.query_sizes)
-    monkeypatch.setattr(_cudnn, "cudnn_order", lambda spec: None)
-    monkeypatch.setattr(jax.ffi, "ffi_call", model.ffi_call)
+    HandlerModel().install(monkeypatch.setattr)
   assert run.main(["--quick", "--repeats", "2", "--warmup", "1", "--rounds", "1",
                    "--out-dir", str(tmp_path), "--machine", "test"]) == 0
   printed = capsys.readouterr().out

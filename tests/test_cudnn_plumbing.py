@@ -30,18 +30,13 @@ from helpers import SPEC_CLASSES, call, random_inputs
 def sizes(monkeypatch):
   """cuDNN said to be available, with the model's sizes and the analytic layout;
   the FFI calls themselves are left alone (they can be lowered, not run)."""
-  model = HandlerModel()
-  monkeypatch.setattr(_cudnn, "query_sizes", model.query_sizes)
-  monkeypatch.setattr(_cudnn, "cudnn_order", lambda spec: None)
-  monkeypatch.setattr(_cudnn, "availability", lambda: (True, ""))
-  return model
+  return HandlerModel().install(monkeypatch.setattr, handlers=False)
 
 
 @pytest.fixture
 def handlers(sizes, monkeypatch):
   """As `sizes`, and the FFI calls answered by the model."""
-  monkeypatch.setattr(jax.ffi, "ffi_call", sizes.ffi_call)
-  return sizes
+  return sizes.install(monkeypatch.setattr)
 
 
 def _inputs(spec, T, B, time_major):
