@@ -5,6 +5,8 @@
 #include <mutex>
 #include <tuple>
 
+#include <cuda_runtime_api.h>
+
 #include "status.h"
 
 namespace jcr {
@@ -19,9 +21,6 @@ auto KeyTuple(const RnnKey& k) {
                          k.max_seq_length, k.batch_size);
 }
 
-struct KeyLess {
-  bool operator()(const RnnKey& a, const RnnKey& b) const { return KeyTuple(a) < KeyTuple(b); }
-};
 
 // Compute precision and tensor-core policy for a data type.
 void MathFor(const RnnKey& key, cudnnDataType_t* math_prec, cudnnMathType_t* math_type) {
@@ -140,11 +139,18 @@ Error RnnDescriptors::Init(cudnnHandle_t handle, const RnnKey& key) {
 
 Error GetRnnDescriptors(cudnnHandle_t handle, const RnnKey& key,
                         std::shared_ptr<const RnnDescriptors>* out) {
+  // Per device as well: descriptors made with one device's handle are never
+  // handed to another device's calls (which XLA runs on their own threads),
+  // and sizes are queried on the device that uses them.
+  int device = 0;
+  JCR_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
+  using CacheKey = decltype(std::tuple_cat(std::make_tuple(device), KeyTuple(key)));
   static std::mutex* mu = new std::mutex();
-  static auto* cache = new std::map<RnnKey, std::shared_ptr<const RnnDescriptors>, KeyLess>();
+  static auto* cache = new std::map<CacheKey, std::shared_ptr<const RnnDescriptors>>();
+  const CacheKey cache_key = std::tuple_cat(std::make_tuple(device), KeyTuple(key));
   {
     std::lock_guard<std::mutex> lock(*mu);
-    auto it = cache->find(key);
+    auto it = cache->find(cache_key);
     if (it != cache->end()) {
       *out = it->second;
       return Error::Success();
@@ -153,7 +159,7 @@ Error GetRnnDescriptors(cudnnHandle_t handle, const RnnKey& key,
   auto descriptors = std::make_shared<RnnDescriptors>();
   JCR_RETURN_IF_ERROR(descriptors->Init(handle, key));
   std::lock_guard<std::mutex> lock(*mu);
-  *out = cache->emplace(key, std::move(descriptors)).first->second;
+  *out = cache->emplace(cache_key, std::move(descriptors)).first->second;
   return Error::Success();
 }
 

@@ -1,10 +1,11 @@
 // The RNN configuration, its cuDNN descriptors (RAII-owned), and their cache.
 //
 // A configuration (mode, sizes, direction, input mode, data type, math mode,
-// time steps, batch, layout) maps to one immutable `RnnDescriptors`, created
-// on first use and cached for the life of the process, so steady-state calls
-// create no descriptor. Data descriptors for explicit sequence lengths depend
-// on the lengths and are made per call (`RnnDataDescriptor`).
+// time steps, batch, layout) maps to one immutable `RnnDescriptors` per
+// device, created on first use and cached for the life of the process, so
+// steady-state calls create no descriptor. Data descriptors for explicit
+// sequence lengths depend on the lengths and are made per call
+// (`RnnDataDescriptor`).
 #ifndef JAX_CUDNN_RNN_RNN_DESCRIPTORS_H_
 #define JAX_CUDNN_RNN_RNN_DESCRIPTORS_H_
 
@@ -80,7 +81,8 @@ class RnnDescriptors {
 ::xla::ffi::Error SetRnnDescriptor(const RnnKey& key, cudnnDropoutDescriptor_t dropout,
                                    cudnnRNNDescriptor_t rnn);
 
-// The cached descriptors of `key`, created with `handle` on first use.
+// The cached descriptors of `key` on the current CUDA device, created with
+// `handle` (a handle on that device) on first use.
 ::xla::ffi::Error GetRnnDescriptors(cudnnHandle_t handle, const RnnKey& key,
                                     std::shared_ptr<const RnnDescriptors>* out);
 

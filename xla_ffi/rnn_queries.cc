@@ -11,6 +11,7 @@
 // The first two return 0 on success; on failure they return 1 and write a message
 // (truncated to `error_size`) into `error`. Nothing throws across this ABI.
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -28,11 +29,15 @@ namespace {
 
 using ::xla::ffi::Error;
 
-// One handle for queries on the calling thread's current device, made once.
+// A handle for queries on the calling thread's current device, made once per
+// device (the descriptor cache is per device too).
 Error QueryHandle(cudnnHandle_t* out) {
+  int device = 0;
+  JCR_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
   static std::mutex* mu = new std::mutex();
-  static cudnnHandle_t handle = nullptr;
+  static auto* handles = new std::map<int, cudnnHandle_t>();
   std::lock_guard<std::mutex> lock(*mu);
+  cudnnHandle_t& handle = (*handles)[device];
   if (handle == nullptr) JCR_RETURN_IF_CUDNN_ERROR(cudnnCreate(&handle));
   *out = handle;
   return Error::Success();
