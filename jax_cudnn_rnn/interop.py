@@ -27,6 +27,11 @@ Lossless where the target can express the weights, an error where it cannot:
   splits each summed bias into two halves, as TF1's restore does (the same
   function). Nothing here needs TensorFlow: read a checkpoint with
   `tf.train.load_checkpoint` and pass `{name: reader.get_tensor(name)}`.
+- `jax.experimental.rnn` LSTM weights: its flat buffer is cuDNN's weight space
+  for a double-bias LSTM with input matrices in every layer, which is the
+  opaque buffer of a `linear_input` `CudnnLSTM`: taken as it is (checked and
+  cast to the spec's dtype). A `skip_input` spec takes it when layer 0's input
+  matrices are identities, and gives them back as identities.
 
 Everything returns numpy arrays (torch tensors for `to_torch_state_dict` when
 `as_tensors=True`), so it runs with no device.
@@ -34,12 +39,14 @@ Everything returns numpy arrays (torch tensors for `to_torch_state_dict` when
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jax_cudnn_rnn import _layout, _spec
+from jax_cudnn_rnn import _layout, _params, _spec
 
 
 def _np(a) -> np.ndarray:
@@ -563,3 +570,60 @@ def from_tf1_checkpoint(spec, tensors: Mapping[str, Any], *, scope: str | None =
         _check_skip_identity(spec, W, f"{prefix}: the kernel's input rows")
       per[layer, d] = (W, R, bW, bR)
   return _from_per_direction(spec, per)
+
+
+# -- jax.experimental.rnn ------------------------------------------------------------
+
+
+def _jax_rnn_twin(spec, where: str):
+  """The `linear_input` LSTM spec whose opaque buffer is `jax.experimental.rnn`'s."""
+  if spec.rnn_mode != "lstm":
+    raise ValueError(f"{where}: jax.experimental.rnn has LSTMs only, got {spec}")
+  return dataclasses.replace(spec, input_mode="linear_input")
+
+
+@_spec.takes_spec
+def from_jax_experimental_rnn(spec, weights):
+  """An opaque buffer from `jax.experimental.rnn`'s LSTM `weights`.
+
+  The buffer of `jax.experimental.rnn.init_lstm_weight(key, input_size,
+  hidden_size, num_layers, bidirectional)` belongs to
+  `CudnnLSTM(num_layers, hidden_size, input_size, direction=...)`, and
+  `rnn.lstm(x, h0, c0, weights, seq_lengths, input_size, hidden_size,
+  num_layers, dropout=0.0, bidirectional)` is then
+  `spec(x, h0, c0, params, seq_lengths=seq_lengths, time_major=False)`.
+
+  Args:
+    spec: a `CudnnLSTM`.
+    weights: `[params_size]` for the `linear_input` twin of `spec` (equal to
+      `spec.params_size()` unless `spec` uses `skip_input`).
+
+  Returns:
+    The `[spec.params_size()]` opaque buffer, in `spec.dtype`.
+  """
+  twin = _jax_rnn_twin(spec, "from_jax_experimental_rnn")
+  flat = _shaped("weights", weights, (twin.params_size(),),
+                 f"(jax.experimental.rnn's buffer for {twin})")
+  flat = jnp.asarray(flat, spec.dtype)
+  if twin == spec:  # the same layout: nothing moves
+    return flat
+  per = _per_direction(twin, flat)
+  for d in range(spec.num_dirs):
+    _check_skip_identity(spec, per[0, d][0], f"weights (layer 0, direction {d})")
+  return _from_per_direction(spec, per)
+
+
+@_spec.takes_spec
+def to_jax_experimental_rnn(spec, params) -> np.ndarray:
+  """`jax.experimental.rnn`'s flat LSTM weights from an opaque buffer of `spec`.
+
+  In `spec.dtype`: `jax.experimental.rnn` itself computes in float32 only.
+  Under `skip_input`, layer 0's input matrices are written as identities.
+  """
+  twin = _jax_rnn_twin(spec, "to_jax_experimental_rnn")
+  if twin == spec:  # the same layout: nothing moves
+    return np.array(_params._check_params(spec, params))
+  per = {key: (_identity_inputs(spec) if W is None else W, R, bW, bR)
+         for key, (W, R, bW, bR) in _per_direction(spec, params).items()}
+  return np.array(_from_per_direction(twin, per))
+

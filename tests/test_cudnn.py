@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _cudnn
+from jax_cudnn_rnn import _cudnn, interop
 from helpers import SPEC_CLASSES, assert_layout_is_analytic, call, random_inputs
 
 _available, _why = _cudnn.availability()
@@ -176,6 +176,40 @@ def test_vmap_of_cudnn_matches_loop(time_major):
         np.testing.assert_allclose(a[i], b, rtol=1e-5, atol=1e-6)
       np.testing.assert_allclose(grads[i], jax.grad(loss)(params, xs[i], lengths[i]),
                                  rtol=1e-5, atol=1e-6)
+
+
+@needs_device
+def test_jax_experimental_rnn_cudnn_lstm_agrees():
+  """jax.experimental.rnn's own cuDNN LSTM, on its weights buffer taken as ours:
+  the same values and gradients (within valid steps) as our cuDNN path."""
+  rnn = pytest.importorskip("jax.experimental.rnn")
+  if not hasattr(rnn.gpu_rnn, "compute_rnn_workspace_reserve_space_sizes"):
+    pytest.skip("this jaxlib has no CUDA RNN kernels for jax.experimental.rnn")
+  spec = jcr.CudnnLSTM(2, 8, 5, direction="bidirectional", dtype=jnp.float32)
+  weights = rnn.init_lstm_weight(jax.random.key(0), 5, 8, 2, True)
+  params = interop.from_jax_experimental_rnn(spec, weights)
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(3, 6, 5)), jnp.float32)  # batch-major, as theirs
+  h, c = jnp.asarray(0.5 * rng.normal(size=(2, 4, 3, 8)), jnp.float32)
+  lengths = jnp.array([6, 3, 1], jnp.int32)
+  valid = (jnp.arange(6)[None, :] < lengths[:, None])[..., None]
+  ours = lambda x, h, c, p: spec(x, h, c, p, seq_lengths=lengths, time_major=False,
+                                 implementation="cudnn")
+  theirs = lambda x, h, c, w: rnn.lstm(x, h, c, w, lengths, 5, 8, 2, 0.0, True)
+
+  def loss(f):
+    def total(*args):
+      y, hn, cn = f(*args)
+      return jnp.sum(jnp.where(valid, jnp.sin(y), 0)) + jnp.sum(hn ** 2) + jnp.sum(jnp.cos(cn))
+    return jax.jit(jax.grad(total, argnums=(0, 1, 2, 3)))
+
+  with jax.default_matmul_precision("highest"):
+    for name, a, b in zip(("y", "h", "c"), ours(x, h, c, params), theirs(x, h, c, weights)):
+      a, b = (jnp.where(valid, a, 0), jnp.where(valid, b, 0)) if name == "y" else (a, b)
+      assert _rel_err(a, b) < 1e-5, (name, _rel_err(a, b))
+    for name, a, b in zip(("dx", "dh", "dc", "dweights"), loss(ours)(x, h, c, params),
+                          loss(theirs)(x, h, c, weights)):
+      assert _rel_err(a, b) < 1e-4, (name, _rel_err(a, b))
 
 
 @needs_device
