@@ -33,8 +33,10 @@ Lossless where the target can express the weights, an error where it cannot:
   cast to the spec's dtype). A `skip_input` spec takes it when layer 0's input
   matrices are identities, and gives them back as identities.
 
-Everything returns numpy arrays (torch tensors for `to_torch_state_dict` when
-`as_tensors=True`), so it runs with no device.
+The `to_*` functions return numpy arrays (torch tensors for
+`to_torch_state_dict` when `as_tensors=True`; nnx modules for
+`to_flax_nnx_cells`); the `from_*` ones return the opaque buffer, a
+`jax.Array` in the spec's dtype, as `canonical_to_params` does.
 """
 
 from __future__ import annotations
