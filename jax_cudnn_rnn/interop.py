@@ -628,4 +628,3 @@ def to_jax_experimental_rnn(spec, params) -> np.ndarray:
   per = {key: (_identity_inputs(spec) if W is None else W, R, bW, bR)
          for key, (W, R, bW, bR) in _per_direction(spec, params).items()}
   return np.array(_from_per_direction(twin, per))
-

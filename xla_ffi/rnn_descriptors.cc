@@ -21,7 +21,6 @@ auto KeyTuple(const RnnKey& k) {
                          k.max_seq_length, k.batch_size);
 }
 
-
 // Compute precision and tensor-core policy for a data type.
 void MathFor(const RnnKey& key, cudnnDataType_t* math_prec, cudnnMathType_t* math_type) {
   switch (key.data_type) {
