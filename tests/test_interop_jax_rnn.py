@@ -10,6 +10,7 @@ import pytest
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import interop
+from helpers import random_inputs
 
 rnn = pytest.importorskip("jax.experimental.rnn")
 
@@ -27,12 +28,10 @@ def _their_args(spec):
   return (spec.input_size, spec.num_units, spec.num_layers, 0.0, spec.num_dirs == 2)
 
 
-def _inputs(spec, B=3, T=5, seed=0):
-  rng = np.random.default_rng(seed)
-  S = spec.num_layers * spec.num_dirs
-  x = rng.normal(size=(B, T, spec.input_size)).astype(np.float32)
-  h, c = (0.5 * rng.normal(size=(2, S, B, spec.num_units))).astype(np.float32)
-  return jnp.asarray(x), jnp.asarray(h), jnp.asarray(c)
+def _inputs(spec, B=3, T=5):
+  """Batch-major `x` and the initial states, as `jax.experimental.rnn` takes them."""
+  x, h, c = random_inputs(spec, T, B)
+  return jnp.asarray(np.swapaxes(x, 0, 1)), jnp.asarray(h), jnp.asarray(c)
 
 
 def _theirs(spec, x, h, c, weights, lengths=None):
