@@ -188,9 +188,8 @@ def test_jax_experimental_rnn_cudnn_lstm_agrees():
   spec = jcr.CudnnLSTM(2, 8, 5, direction="bidirectional", dtype=jnp.float32)
   weights = rnn.init_lstm_weight(jax.random.key(0), 5, 8, 2, True)
   params = interop.from_jax_experimental_rnn(spec, weights)
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.normal(size=(3, 6, 5)), jnp.float32)  # batch-major, as theirs
-  h, c = jnp.asarray(0.5 * rng.normal(size=(2, 4, 3, 8)), jnp.float32)
+  x, h, c = random_inputs(spec, 6, 3)
+  x, h, c = jnp.asarray(np.swapaxes(x, 0, 1)), jnp.asarray(h), jnp.asarray(c)  # batch-major, as theirs
   lengths = jnp.array([6, 3, 1], jnp.int32)
   valid = (jnp.arange(6)[None, :] < lengths[:, None])[..., None]
   ours = lambda x, h, c, p: spec(x, h, c, p, seq_lengths=lengths, time_major=False,
