@@ -156,12 +156,21 @@ def _layer_jvp(mode, primals, tangents):
       A.append(term(dx, dw, dr, tbW[d], tbR[d]))
       X.append(None)
 
+  # The recurrent term is written against R^T ([g*H, H], the opaque buffer's
+  # own block, which XLA then reads directly) so that its transpose, the
+  # reverse loop's per-step `du_t R^T`, contracts R^T's leading axis. Written
+  # as `dh @ R`, the reverse loop contracted R's trailing axis, which XLA:CPU
+  # runs much slower at small batch: LSTM B16 H128, 57 -> 32 us a step
+  # (benchmarks/NOTES.md, session 12). Forward mode gets the slow orientation
+  # instead, and is the rarer use.
+  RT = [r.T for r in R]
+
   def tangent_step(carry, inputs):
     dhs, dcs = carry
     A_t, X_t, res_t, valid_t = inputs
     new_dhs, new_dcs, outs = [], [], []
     for d in range(D):
-      rec = dhs[d] @ R[d]
+      rec = jax.lax.dot_general(dhs[d], RT[d], (((1,), (1,)), ((), ())))  # dh @ R
       pre = rec if A_t[d] is None else A_t[d] + rec
       if lstm:
         K, f, k_h = res_t[d]
