@@ -289,8 +289,11 @@ def versions() -> dict:
   except Exception:
     pass
   try:
-    v["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                 cwd=pathlib.Path(__file__).parent).stdout.strip()
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
+                                    cwd=pathlib.Path(__file__).parent).stdout.strip()
+    v["commit"] = git("rev-parse", "HEAD")
+    # Files changed since that commit, if any: the figures are then not the commit's.
+    v["uncommitted changes"] = git("status", "--porcelain", "--untracked-files=no").splitlines()
   except OSError:
     pass
   return v
@@ -362,13 +365,19 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true", help="a few shapes, few repeats")
   parser.add_argument("--repeats", type=int, default=None)
   parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--rounds", type=int, default=3,
-                      help="the repeats are split into this many round-robin rounds")
+  parser.add_argument("--rounds", type=int, default=None,
+                      help="the repeats are split into this many round-robin rounds "
+                           "(default: one per repeat, each contender timed once a round)")
   parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--machine", default=None, help="name in the output files")
   parser.add_argument("--only", default=None, help="comma-separated contenders to run")
   args = parser.parse_args(argv)
   repeats = args.repeats or (12 if args.quick else 21)
+  # One timing per contender per round by default: on a noisy machine (this
+  # 2-core VM drifts by 20-30%), coarser rounds put a slow stretch on one
+  # contender. With 3 rounds of 4, unchanged code measured 0.88x of Flax where a
+  # fully interleaved run of the same shapes gave 1.05x (benchmarks/NOTES.md).
+  rounds = args.rounds or repeats
   gpu = _cudnn.availability()[0]
   try:
     import torch
@@ -396,7 +405,7 @@ def main(argv=None) -> int:
       if fns is not None:
         timed.update({(impl, phase): fn for phase, fn in zip(("fwd", "fwd+bwd"), fns[:2])})
         memory.update({(impl, phase): fns[2][phase] for phase in ("fwd", "fwd+bwd")})
-    for (impl, phase), r in _time_interleaved(timed, repeats, args.warmup, args.rounds).items():
+    for (impl, phase), r in _time_interleaved(timed, repeats, args.warmup, rounds).items():
       if "error" in r:
         print(f"{shape.name:55s} {impl:22s} {phase}: failed: {r['error']}"[:200])
         continue
@@ -410,7 +419,7 @@ def main(argv=None) -> int:
   stem = out_dir / f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
             "versions": versions(), "quick": args.quick, "repeats": repeats,
-            "warmup": args.warmup, "rounds": args.rounds, "memory_measure": MEMORY_MEASURE,
+            "warmup": args.warmup, "rounds": rounds, "memory_measure": MEMORY_MEASURE,
             "results": results}
   stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
   table = markdown(results, device_name)
