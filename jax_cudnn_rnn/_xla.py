@@ -162,7 +162,7 @@ def _layer_jvp(mode, primals, tangents):
   # as `dh @ R`, the reverse loop contracted R's trailing axis, which XLA:CPU
   # runs much slower at small batch: LSTM B16 H128, 57 -> 32 us a step
   # (benchmarks/NOTES.md, session 12). Forward mode gets the slow orientation
-  # instead, and is the rarer use.
+  # instead, and is the rarer use (`jax.jvp` of that LSTM: 11.4 -> 12.4 ms).
   RT = [r.T for r in R]
 
   def tangent_step(carry, inputs):
