@@ -42,13 +42,18 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(run, "grid", lambda quick, gpu: [shape])
   if as_gpu:
     HandlerModel().install(monkeypatch.setattr)
-  assert run.main(["--quick", "--repeats", "2", "--warmup", "1", "--rounds", "1",
+  assert run.main(["--quick", "--repeats", "2", "--warmup", "1",
                    "--out-dir", str(tmp_path), "--machine", "test"]) == 0
   printed = capsys.readouterr().out
 
   record = json.loads(next(tmp_path.glob("test-*-quick.json")).read_text())
   assert record["machine"] == "test" and record["repeats"] == 2
+  assert record["rounds"] == 2  # by default one timing per contender per round
   assert {"jax", "numpy", "cudnn"} <= set(record["versions"])
+  versions = record["versions"]
+  if (ROOT / ".git").exists():  # provenance: the commit, and what differs from it
+    assert re.fullmatch(r"[0-9a-f]{40}", versions["commit"]), versions
+    assert isinstance(versions["uncommitted changes"], list), versions
   ours = "ours-cudnn" if as_gpu else "ours-xla"
   timed = {"ours-xla", "flax-scan"} | ({"ours-cudnn"} if as_gpu else set())
   if _has_torch() and not as_gpu:
@@ -79,3 +84,27 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
     for k, peer in enumerate(peers):
       ratio = results[peer, phase]["median_s"] / mine
       assert float(cells[3 + 2 * k].rstrip("x")) == pytest.approx(ratio, abs=0.006)
+
+
+@pytest.mark.parametrize("rounds, order", [
+    (3, ["a", "b", "a", "b", "a", "b"]),   # one call each a round: fully interleaved
+    (1, ["a", "a", "a", "b", "b", "b"]),
+])
+def test_timing_rounds_interleave_the_contenders(rounds, order):
+  run = _load_benchmark()
+  calls = []
+  fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
+  timed = run._time_interleaved(fns, repeats=3, warmup=1, rounds=rounds)
+  assert calls[:2] == ["a", "b"]  # the warm-up calls
+  assert calls[2:] == order
+  assert all(timed[name]["repeats"] == 3 for name in fns)
+
+
+def test_a_failing_contender_is_reported_and_the_others_timed():
+  run = _load_benchmark()
+  def broken():
+    raise RuntimeError("no such kernel")
+  timed = run._time_interleaved({"ok": lambda: None, "broken": broken},
+                                repeats=2, warmup=1, rounds=2)
+  assert timed["broken"] == {"error": "RuntimeError: no such kernel"}
+  assert timed["ok"]["repeats"] == 2 and timed["ok"]["median_s"] >= 0
