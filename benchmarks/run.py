@@ -113,10 +113,13 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int) -> dict
     for name, fn in fns.items():
       if name in failed:
         continue
-      for _ in range(per_round):
-        start = time.perf_counter()
-        fn()
-        samples[name].append(time.perf_counter() - start)
+      try:  # a contender may also fail later (out of memory on a GPU): drop it, keep the rest
+        for _ in range(per_round):
+          start = time.perf_counter()
+          fn()
+          samples[name].append(time.perf_counter() - start)
+      except Exception as e:
+        failed[name] = f"{type(e).__name__}: {e}"
   out = {}
   for name in fns:
     if name in failed:

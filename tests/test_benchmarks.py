@@ -108,3 +108,17 @@ def test_a_failing_contender_is_reported_and_the_others_timed():
                                 repeats=2, warmup=1, rounds=2)
   assert timed["broken"] == {"error": "RuntimeError: no such kernel"}
   assert timed["ok"]["repeats"] == 2 and timed["ok"]["median_s"] >= 0
+
+
+def test_a_contender_failing_after_its_warm_up_is_reported_and_the_others_timed():
+  run = _load_benchmark()
+  calls = {"n": 0}
+  def fails_on_third_call():  # the warm-up and one timed call pass, then it fails
+    calls["n"] += 1
+    if calls["n"] == 3:
+      raise MemoryError("out of device memory")
+  timed = run._time_interleaved({"ok": lambda: None, "flaky": fails_on_third_call},
+                                repeats=4, warmup=1, rounds=4)
+  assert timed["flaky"] == {"error": "MemoryError: out of device memory"}
+  assert calls["n"] == 3  # not called again once it failed
+  assert timed["ok"]["repeats"] == 4
