@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include <cudnn.h>
@@ -51,6 +52,13 @@ class RnnDataDescriptor {
 };
 
 // Everything cuDNN needs for one configuration with full-length sequences.
+//
+// One instance serves every call of its configuration on its device, from any
+// host thread. cuDNN calls itself thread-safe where no handle is shared, and
+// says nothing of descriptors shared between threads, so a call holds `Use()`
+// from its cuDNN launch to its end, as TensorFlow's cuDNN RNN kernels hold
+// theirs: two threads never pass these descriptors to cuDNN at once. The lock
+// covers host-side launches only (cuDNN's RNN calls are asynchronous).
 class RnnDescriptors {
  public:
   RnnDescriptors() = default;
@@ -66,8 +74,10 @@ class RnnDescriptors {
   const RnnDataDescriptor& x_full() const { return x_full_; }
   const RnnDataDescriptor& y_full() const { return y_full_; }
   const RnnSizes& sizes() const { return sizes_; }
+  std::unique_lock<std::mutex> Use() const { return std::unique_lock<std::mutex>(in_use_); }
 
  private:
+  mutable std::mutex in_use_;
   cudnnDropoutDescriptor_t dropout_ = nullptr;
   cudnnRNNDescriptor_t rnn_ = nullptr;
   cudnnTensorDescriptor_t state_ = nullptr;

@@ -14,6 +14,7 @@
 // and it happens on that path only.
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,11 +37,13 @@ using ffi::AnyBuffer;
 using ffi::Error;
 
 // What every handler needs before calling cuDNN: a handle on the stream, the
-// cached descriptors, and the data descriptors for these sequence lengths.
+// cached descriptors (held for this call's use: `RnnDescriptors::Use`), and the
+// data descriptors for these sequence lengths.
 struct Call {
   BorrowedHandle handle;
   RnnKey key{};
   std::shared_ptr<const RnnDescriptors> desc;
+  std::unique_lock<std::mutex> desc_in_use;  // after `desc`: released before it
   RnnDataDescriptor x_with_lengths;
   RnnDataDescriptor y_with_lengths;
   cudnnRNNDataDescriptor_t x_desc = nullptr;
@@ -70,6 +73,7 @@ Error Prepare(cudaStream_t stream, const RnnAttrs& attrs, const AnyBuffer& x_lik
   if (!attrs.has_seq_lengths) {
     call->x_desc = call->desc->x_full().get();
     call->y_desc = call->desc->y_full().get();
+    call->desc_in_use = call->desc->Use();
     return Error::Success();
   }
   std::vector<int32_t> lengths(static_cast<size_t>(batch));
@@ -82,6 +86,7 @@ Error Prepare(cudaStream_t stream, const RnnAttrs& attrs, const AnyBuffer& x_lik
   JCR_RETURN_IF_ERROR(call->y_with_lengths.Set(call->key, OutputSize(attrs), lengths));
   call->x_desc = call->x_with_lengths.get();
   call->y_desc = call->y_with_lengths.get();
+  call->desc_in_use = call->desc->Use();  // after the wait for the lengths, not during it
   return Error::Success();
 }
 
