@@ -55,10 +55,11 @@ class RnnDataDescriptor {
 //
 // One instance serves every call of its configuration on its device, from any
 // host thread. cuDNN calls itself thread-safe where no handle is shared, and
-// says nothing of descriptors shared between threads, so a call holds `Use()`
-// from its cuDNN launch to its end, as TensorFlow's cuDNN RNN kernels hold
-// theirs: two threads never pass these descriptors to cuDNN at once. The lock
-// covers host-side launches only (cuDNN's RNN calls are asynchronous).
+// says nothing of descriptors shared between threads, so a handler holds
+// `Use()` from the end of its preparation (after any wait for sequence
+// lengths) to its return, as TensorFlow's cuDNN RNN kernels hold theirs: two
+// threads never pass these descriptors to cuDNN at once. The lock covers
+// host-side launches only (cuDNN's RNN calls are asynchronous).
 class RnnDescriptors {
  public:
   RnnDescriptors() = default;
