@@ -26,9 +26,23 @@ ordinary JAX.
 Measured on XLA:CPU, 2 cores, LSTM forward+backward (see benchmarks/NOTES.md):
 B16 T50 H128: 17 -> 11-12 ms; B64 T100 H256: 235 -> 210-215 ms (PyTorch: 180-190).
 
-The forward scan and the per-layer plumbing are the reference's
-(`_reference.forward_scan`, `_reference._run_layer`), given this file's cells,
-which also return the coefficients, and this file's `custom_jvp` recurrence.
+The forward recurrence projects its inputs a chunk of steps at a time
+(`_chunked_scan`): a scan over chunks of 4 to 16 steps (`chunk_steps`), each
+making one `[chunk, B, in] x [in, g*H]` matmul and then running its steps
+unrolled. The reference projects step by step, one `[B, in]` matmul each, and
+at small batch those run far below XLA:CPU's matmul peak; projecting all steps
+at once before the loop was slower still (`_reference`'s docstring). Forward,
+LSTM, interleaved A/B against step-by-step (benchmarks/NOTES.md, session 14):
+B16 T256 I128 H256 52.7 -> 47.6 ms, B32 T100 I256 H256 56.8 -> 44.2 ms, the
+same with 2 bidirectional layers 240 -> 182 ms, B64 T100 I128 55.0 -> 53.4 ms.
+Compiling takes about twice as long (the unrolled steps), so sequences shorter
+than `MIN_CHUNKED_STEPS` (32), and numbers of steps with no divisor in [4, 16],
+run step by step, as the reference does.
+
+The per-step recurrence and the per-layer plumbing are the reference's
+(`_reference.recurrent_step`, `_reference.forward_scan`,
+`_reference._run_layer`), given this file's cells, which also return the
+coefficients, and this file's `custom_jvp` recurrence.
 """
 
 from __future__ import annotations
@@ -103,11 +117,62 @@ def _relu_cell(xp, rec, h, c, coefficients):
 _CELLS = {"lstm": _lstm_cell, "gru": _gru_cell, "rnn_tanh": _tanh_cell, "rnn_relu": _relu_cell}
 
 
+# -- the forward recurrence, a chunk of steps at a time ---------------------------------
+
+
+# Shorter sequences run step by step: there the unrolled steps' compile time
+# (about twice the step-by-step scan's) outweighs the little they save.
+MIN_CHUNKED_STEPS = 32
+
+
+def chunk_steps(steps: int) -> int:
+  """The steps per chunk of the forward scan: for `MIN_CHUNKED_STEPS` steps or
+  more, a divisor of `steps` in [4, 16], the nearest to 8 (the smaller on a
+  tie); else, or where there is no such divisor (a prime number of steps, say),
+  1: no chunking."""
+  divisors = [k for k in range(4, 17) if steps % k == 0]
+  if steps < MIN_CHUNKED_STEPS or not divisors:
+    return 1
+  return min(divisors, key=lambda k: (abs(k - 8), k))
+
+
+def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, chunk):
+  """`_reference.forward_scan`, with the input projection made for `chunk`
+  steps at once: a scan over chunks, each projecting its `[chunk, B, in]`
+  inputs in one matmul and then running its steps unrolled. Same arguments
+  and results; `chunk` divides the number of steps."""
+  T, g = xs[0].shape[0], _spec.NUM_GATES[mode]
+  in_bias = _reference.input_bias(mode, bW, bR)
+
+  def chunk_step(carry, inputs):
+    x_c, valid_c = inputs
+    xps = [_reference.project(x_c[d], None if W is None else W[d], g) + in_bias[d]
+           for d in range(len(xs))]
+    steps = []
+    for k in range(chunk):
+      hs, cs, outs, res = _reference.recurrent_step(
+          mode, cell, R, bR, *carry, [xp[k] for xp in xps], None if valid_c is None else valid_c[k])
+      carry = (hs, cs)
+      steps.append((outs, res))
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *steps)
+
+  split = lambda a: a.reshape((T // chunk, chunk) + a.shape[1:])
+  carry0 = (tuple(h0), None if c0 is None else tuple(c0))
+  (hT, cT), (ys, res) = jax.lax.scan(
+      chunk_step, carry0, (tuple(split(x) for x in xs), None if valid is None else split(valid)))
+  merge = lambda a: a.reshape((T,) + a.shape[2:])
+  return jax.tree.map(merge, ys), hT, cT, jax.tree.map(merge, res)
+
+
 def _forward(mode, xs, valid, h0, c0, W, R, bW, bR, coefficients):
-  """`_reference.forward_scan` over this file's cells; `res` holds the
+  """The forward recurrence over this file's cells (`_reference.forward_scan`
+  or, where the number of steps allows, `_chunked_scan`); `res` holds the
   coefficients stacked over time when `coefficients`, else empty tuples."""
   cell = functools.partial(_CELLS[mode], coefficients=coefficients)
-  return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR)
+  chunk = chunk_steps(xs[0].shape[0])
+  if chunk == 1:
+    return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR)
+  return _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, chunk)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))

@@ -76,16 +76,23 @@ CASES = {
                                                  direction="bidirectional", **F64),
                                 dict(lengths=True)),
     "relu-dropout": (jcr.CudnnRNNRelu(3, 4, 2, dropout=0.3, **F64), dict(dropout=True)),
+    # Long enough for the "xla" forward to run in chunks of steps (`_xla.chunk_steps`),
+    # which reshapes the time axis while the batch axis stays split.
+    "lstm-bidirectional-36-steps-lengths": (
+        jcr.CudnnLSTM(1, 6, 3, direction="bidirectional", **F64), dict(steps=36, lengths=True)),
 }
 
 
 def _problem(spec, options):
   """Inputs (time-major unless `time_major=False`) and the loss over them."""
   time_major = options.get("time_major", True)
-  x, h, c = random_inputs(spec, T, B, seed=7)
+  steps = options.get("steps", T)
+  x, h, c = random_inputs(spec, steps, B, seed=7)
   x = x if time_major else np.swapaxes(x, 0, 1)
   params = np.asarray(spec.init_params(jax.random.key(8)))
-  lengths = np.array([5, 1, 3, 0, 5, 2, 4, 5], np.int32) if options.get("lengths") else None
+  lengths = None
+  if options.get("lengths"):  # full, partial and empty sequences
+    lengths = np.array([5, 1, 3, 0, 5, 2, 4, 5], np.int32) * steps // T
   kwargs = dict(time_major=time_major)
   if options.get("dropout"):
     kwargs["dropout_key"] = jax.random.key(9)

@@ -103,7 +103,9 @@ def test_traced_seq_lengths_out_of_range_are_clamped():
   x, h, _ = random_inputs(spec, 4, 2)
   run = jax.jit(lambda lengths: spec(x, h, params, seq_lengths=lengths))
   y1, h1 = run(np.array([9, -2]))
-  y2, h2 = spec(x, h, params, seq_lengths=np.array([4, 0]))
+  # The same compiled function on in-range lengths: equal to the bit. (An eager call
+  # may round differently: under this jit, XLA folds the constant inputs' projection.)
+  y2, h2 = run(np.array([4, 0]))
   np.testing.assert_array_equal(y1, y2)
   np.testing.assert_array_equal(h1, h2)
   np.testing.assert_array_equal(h2[:, 1], h[:, 1])  # length 0 keeps the initial state

@@ -2,7 +2,9 @@
 
 Values, reverse-mode gradients with respect to every subset of inputs (each
 subset leaves different tangents symbolically zero), forward-mode JVPs and
-second order, over every mode, direction, input mode, depth and with lengths.
+second order, over every mode, direction, input mode, depth and with lengths,
+on short sequences, whose forward runs step by step; and the same on sequences
+long enough for the forward to run a chunk of steps at a time.
 """
 
 import itertools
@@ -117,6 +119,40 @@ def test_second_order_numerically():
                                    B=2)
   f = jax.jit(lambda x, p: _loss(_xla.rnn, spec, jnp.array([3, 1], jnp.int32))(x, h, c, p))
   check_grads(f, (x, params), order=2, modes=("rev", "fwd"), atol=1e-5, rtol=1e-5)
+
+
+def test_chunk_steps():
+  """From 32 steps on, a divisor in [4, 16], the nearest to 8 (the smaller on a tie);
+  else 1."""
+  expected = {1: 1, 4: 1, 12: 1, 24: 1, 31: 1, 32: 8, 36: 9, 50: 10, 60: 6, 100: 10,
+              101: 1, 256: 8}
+  assert {t: _xla.chunk_steps(t) for t in expected} == expected
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("direction", ["unidirectional", "bidirectional"])
+def test_chunked_forward_matches_reference(cls, direction):
+  """36 steps: four chunks of nine. One sequence ends inside the third chunk."""
+  assert _xla.chunk_steps(36) == 9
+  spec, args = _setup(cls, 1, direction, "linear_input", T=36, B=3)
+  lengths = jnp.array([36, 22, 0], jnp.int32)
+  for seq_lengths in (None, lengths):
+    for a, b in zip(_xla.rnn(spec, *args, seq_lengths=seq_lengths),
+                    _reference.rnn(spec, *args, seq_lengths=seq_lengths)):
+      if b is not None:
+        _assert_close(a, b)
+  _compare(spec, args, lengths, tuple(i for i, a in enumerate(args) if a is not None))
+
+
+def test_chunked_forward_two_layers_skip_input_and_second_order():
+  spec, (x, h, c, params) = _setup(SPEC_CLASSES[0], 2, "bidirectional", "skip_input", T=32)
+  assert _xla.chunk_steps(32) == 8
+  lengths = jnp.array([32, 13, 0], jnp.int32)
+  _compare(spec, (x, h, c, params), lengths, (0, 1, 2, 3))
+  v = np.random.default_rng(6).normal(size=params.shape)
+  hvp = lambda impl: jax.jvp(jax.grad(lambda p: _loss(impl, spec, lengths)(x, h, c, p)),
+                             (params,), (v,))[1]
+  _assert_close(jax.jit(lambda: hvp(_xla.rnn))(), jax.jit(lambda: hvp(_reference.rnn))())
 
 
 def test_float32_gradients_match_reference():
