@@ -302,6 +302,24 @@ def versions() -> dict:
   return v
 
 
+def cpu_description() -> dict:
+  """The host CPU: its model and the vector extensions that set XLA's and
+  oneDNN's matmul speed (the lent machines differ between sessions: AVX2 on
+  one, AVX-512 and AMX on another), from /proc/cpuinfo where there is one."""
+  model, flags = platform.processor() or platform.machine(), set()
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      key, _, value = line.partition(":")
+      if key.strip() == "model name":
+        model = value.strip()
+      elif key.strip() == "flags":
+        flags = set(value.split())
+  except OSError:
+    pass
+  isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
+  return {"model": model, "isa": isa}
+
+
 def markdown(results: list[dict], device: str) -> str:
   lines = [f"# RNN benchmarks on {device}", "",
            "Ratio = peer's median time / ours (`ours-cudnn` on a GPU, else `ours-xla`); "
@@ -391,8 +409,12 @@ def main(argv=None) -> int:
     print("torch is not installed: no PyTorch comparison", file=sys.stderr)
   device = jax.devices()[0]
   device_name = f"{device.platform}:{device.device_kind}"
+  cpu = cpu_description()
+  # Named for what sets the speed: AVX-512 machines get a suffix, so their
+  # figures do not overwrite an AVX2 machine's of the same day.
   machine = args.machine or ("gpu-" + device.device_kind.replace(" ", "-") if gpu
-                             else f"cpu-{os.cpu_count()}core")
+                             else f"cpu-{os.cpu_count()}core"
+                             + ("-avx512" if "avx512f" in cpu["isa"] else ""))
   only = set(args.only.split(",")) if args.only else None
   results = []
   for shape in grid(args.quick, gpu):
@@ -421,11 +443,12 @@ def main(argv=None) -> int:
   out_dir.mkdir(parents=True, exist_ok=True)
   stem = out_dir / f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
-            "versions": versions(), "quick": args.quick, "repeats": repeats,
+            "cpu": cpu, "versions": versions(), "quick": args.quick, "repeats": repeats,
             "warmup": args.warmup, "rounds": rounds, "memory_measure": MEMORY_MEASURE,
             "results": results}
   stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
-  table = markdown(results, device_name)
+  table = markdown(results, device_name if gpu else
+                   f"{device_name} ({cpu['model']}; {', '.join(cpu['isa']) or 'no AVX2'})")
   stem.with_suffix(".md").write_text(table)
   plot(results, stem.with_suffix(".png"), device_name)
   print("\n" + table)

@@ -50,6 +50,15 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   assert record["machine"] == "test" and record["repeats"] == 2
   assert record["rounds"] == 2  # by default one timing per contender per round
   assert {"jax", "numpy", "cudnn"} <= set(record["versions"])
+  cpu = record["cpu"]  # which CPU: the lent machines differ (AVX2 on one, AVX-512 on another)
+  assert isinstance(cpu["model"], str) and cpu["model"], cpu
+  cpuinfo = pathlib.Path("/proc/cpuinfo")
+  if cpuinfo.exists():
+    flags = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags"))
+    assert ("avx2" in cpu["isa"]) == (" avx2" in flags), (cpu, flags)
+    assert ("avx512f" in cpu["isa"]) == (" avx512f" in flags), (cpu, flags)
+  if not as_gpu:  # the table's heading names the CPU
+    assert f"# RNN benchmarks on cpu:cpu ({cpu['model']}" in printed
   versions = record["versions"]
   if (ROOT / ".git").exists():  # provenance: the commit, and what differs from it
     assert re.fullmatch(r"[0-9a-f]{40}", versions["commit"]), versions
