@@ -17,7 +17,8 @@ benchmarks/):
   sequence (so with `seq_lengths` it starts at `length - 1`);
 - without `seq_lengths` no masking is done at all.
 float16 and bfloat16 are computed in float32 (as cuDNN computes them) and the
-results cast back.
+results cast back. (The "xla" backend multiplies a bfloat16 model's matmul
+operands in bfloat16, accumulating in float32: `_xla.operand_dtype`.)
 
 Inputs arrive validated by `_ops.rnn`, with `None` states replaced by zeros.
 """
@@ -96,9 +97,12 @@ def _cell(rnn_mode: str, xp, rec, h, c):
   return (jnp.tanh(pre) if rnn_mode == "rnn_tanh" else jax.nn.relu(pre)), c
 
 
-def project(x: jax.Array, W: jax.Array | None, gates: int) -> jax.Array:
-  """`x @ W`, or the input added to every gate as is (skip_input: W is None)."""
-  return jnp.tile(x, gates) if W is None else x @ W
+def project(x: jax.Array, W: jax.Array | None, gates: int, matmul=jnp.matmul) -> jax.Array:
+  """`x @ W`, or the input added to every gate as is (skip_input: W is None).
+
+  `matmul` (here and below) is how the step multiplies by a weight matrix:
+  `_xla` passes one taking bfloat16 operands for bfloat16 models."""
+  return jnp.tile(x, gates) if W is None else matmul(x, W)
 
 
 def mask(valid_t, h, c, h_prev, c_prev):
@@ -121,7 +125,7 @@ def input_bias(mode, bW, bR):
   return bW if mode == "gru" else tuple(a + b for a, b in zip(bW, bR))
 
 
-def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t):
+def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul):
   """One step of every direction, given its input pre-activations `xps[d]`
   (with the input bias). `cs` is None without a cell state.
 
@@ -130,7 +134,7 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t):
   lstm, gru = mode == "lstm", mode == "gru"
   new_hs, new_cs, outs, res = [], [], [], []
   for d in range(len(hs)):
-    rec = hs[d] @ R[d]
+    rec = matmul(hs[d], R[d])
     if gru:
       rec = rec + bR[d]
     h, c, r = cell(xps[d], rec, hs[d], cs[d] if lstm else None)
@@ -142,7 +146,7 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t):
   return tuple(new_hs), tuple(new_cs) if lstm else None, tuple(outs), tuple(res)
 
 
-def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR):
+def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul):
   """The forward recurrence of one layer, all directions in one `lax.scan`.
 
   `xs`, `h0`, `c0`, `R`, `bW`, `bR` (and `W`, unless None: skip_input) are
@@ -158,8 +162,9 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR):
 
   def step(carry, inputs):
     x_t, valid_t = inputs
-    xps = [project(x_t[d], None if W is None else W[d], g) + in_bias[d] for d in range(len(xs))]
-    hs, cs, outs, res = recurrent_step(mode, cell, R, bR, *carry, xps, valid_t)
+    xps = [project(x_t[d], None if W is None else W[d], g, matmul) + in_bias[d]
+           for d in range(len(xs))]
+    hs, cs, outs, res = recurrent_step(mode, cell, R, bR, *carry, xps, valid_t, matmul)
     return (hs, cs), (outs, res)
 
   carry0 = (tuple(h0), None if c0 is None else tuple(c0))

@@ -39,6 +39,23 @@ Compiling takes about twice as long (the unrolled steps), so sequences shorter
 than `MIN_CHUNKED_STEPS` (32), and numbers of steps with no divisor in [4, 16],
 run step by step, as the reference does.
 
+A bfloat16 model's forward multiplies bfloat16 operands, accumulating in
+float32 (`operand_dtype`): its weights (exact: they are stored in bfloat16),
+and its layer inputs and states rounded to bfloat16 where they meet a weight
+matrix; everything element-wise stays float32 (the operands cuDNN's
+bfloat16 matmuls on tensor cores take, too). The reference instead multiplies in float32, which on
+XLA:CPU ran at about 150 GFLOP/s on a 2-core AVX-512/AMX machine, against
+about 1000 for bfloat16 operands (a [2048, 128] x [128, 1024] product, 6.1 vs
+0.95 ms). Interleaved A/Bs there, forward / forward+backward (ms): LSTM B16 T256
+I128 H256 33 -> 18 / 109 -> 91; GRU same shape 25 -> 15 / 93 -> 82; LSTM B32
+T100 I256 H256, 2 bidirectional layers, 133 -> 57 / 475 -> 398
+(benchmarks/NOTES.md, session 15). The backward's matmuls stay float32: they
+are JAX's transposes of the tangent's, and the transpose of a bfloat16 matmul
+with a float32 result takes a float32 cotangent, which XLA then multiplies in
+float32; making them bfloat16 too would need a transpose rule of our own.
+float16 operands were no faster on that machine than float32 ones, so float16
+models multiply in float32.
+
 The per-step recurrence and the per-layer plumbing are the reference's
 (`_reference.recurrent_step`, `_reference.forward_scan`,
 `_reference._run_layer`), given this file's cells, which also return the
@@ -51,6 +68,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_cudnn_rnn import _reference, _spec
@@ -136,7 +154,7 @@ def chunk_steps(steps: int) -> int:
   return min(divisors, key=lambda k: (abs(k - 8), k))
 
 
-def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, chunk):
+def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk):
   """`_reference.forward_scan`, with the input projection made for `chunk`
   steps at once: a scan over chunks, each projecting its `[chunk, B, in]`
   inputs in one matmul and then running its steps unrolled. Same arguments
@@ -146,12 +164,13 @@ def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, chunk):
 
   def chunk_step(carry, inputs):
     x_c, valid_c = inputs
-    xps = [_reference.project(x_c[d], None if W is None else W[d], g) + in_bias[d]
+    xps = [_reference.project(x_c[d], None if W is None else W[d], g, matmul) + in_bias[d]
            for d in range(len(xs))]
     steps = []
     for k in range(chunk):
       hs, cs, outs, res = _reference.recurrent_step(
-          mode, cell, R, bR, *carry, [xp[k] for xp in xps], None if valid_c is None else valid_c[k])
+          mode, cell, R, bR, *carry, [xp[k] for xp in xps], None if valid_c is None else valid_c[k],
+          matmul)
       carry = (hs, cs)
       steps.append((outs, res))
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *steps)
@@ -164,20 +183,37 @@ def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, chunk):
   return jax.tree.map(merge, ys), hT, cT, jax.tree.map(merge, res)
 
 
-def _forward(mode, xs, valid, h0, c0, W, R, bW, bR, coefficients):
+def operand_dtype(dtype) -> np.dtype | None:
+  """The dtype the forward's matmul operands take for a model of `dtype`:
+  bfloat16 for bfloat16 models, None (the computation dtype) otherwise."""
+  return np.dtype(jnp.bfloat16) if np.dtype(dtype) == jnp.bfloat16 else None
+
+
+def _matmul_in(a: jax.Array, b: jax.Array) -> jax.Array:
+  """`a @ b` with `a` rounded to `b`'s dtype, accumulated and returned in `a`'s."""
+  return jnp.matmul(a.astype(b.dtype), b, preferred_element_type=a.dtype)
+
+
+def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients):
   """The forward recurrence over this file's cells (`_reference.forward_scan`
   or, where the number of steps allows, `_chunked_scan`); `res` holds the
-  coefficients stacked over time when `coefficients`, else empty tuples."""
+  coefficients stacked over time when `coefficients`, else empty tuples.
+  `operands`: `operand_dtype` of the model."""
   cell = functools.partial(_CELLS[mode], coefficients=coefficients)
+  matmul = jnp.matmul
+  if operands is not None:
+    W = None if W is None else tuple(w.astype(operands) for w in W)
+    R = tuple(r.astype(operands) for r in R)
+    matmul = _matmul_in
   chunk = chunk_steps(xs[0].shape[0])
   if chunk == 1:
-    return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR)
-  return _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, chunk)
+    return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul)
+  return _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _layer(mode, xs, valid, h0, c0, W, R, bW, bR):
-  ys, hT, cT, _ = _forward(mode, xs, valid, h0, c0, W, R, bW, bR, coefficients=False)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _layer(mode, operands, xs, valid, h0, c0, W, R, bW, bR):
+  ys, hT, cT, _ = _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients=False)
   return ys, hT, cT
 
 
@@ -191,10 +227,10 @@ def _sum(*terms):
   return functools.reduce(jnp.add, terms) if terms else None
 
 
-def _layer_jvp(mode, primals, tangents):
+def _layer_jvp(mode, operands, primals, tangents):
   xs, valid, h0, c0, W, R, bW, bR = primals
   txs, _, th0, tc0, tW, tR, tbW, tbR = tangents
-  ys, hT, cT, res = _forward(mode, xs, valid, h0, c0, W, R, bW, bR, coefficients=True)
+  ys, hT, cT, res = _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients=True)
   D, g = len(xs), _spec.NUM_GATES[mode]
   T, B = xs[0].shape[:2]
   lstm, gru = mode == "lstm", mode == "gru"
@@ -267,5 +303,11 @@ def _layer_jvp(mode, primals, tangents):
 _layer.defjvp(_layer_jvp, symbolic_zeros=True)
 
 
-run_layer = functools.partial(_reference._run_layer, recurrence=_layer)
+def run_layer(spec, x, h0, c0, params, layer, seq_lengths):
+  """`_reference._run_layer` over this file's recurrence, for `spec`'s dtype."""
+  recurrence = lambda mode, *args: _layer(mode, operand_dtype(spec.dtype), *args)
+  return _reference._run_layer(spec, x, h0, c0, params, layer, seq_lengths,
+                               recurrence=recurrence)
+
+
 rnn = functools.partial(_reference.rnn, run_layer=run_layer)

@@ -14,23 +14,29 @@ def sigmoid(v):
   return 1.0 / (1.0 + np.exp(-v))
 
 
-def _step(mode, W, R, bW, bR, x, h, c):
-  pre = lambda k: W[k] @ x + bW[k] + R[k] @ h + bR[k]
+def _step(mode, W, R, bW, bR, x, h, c, operand):
+  xo, ho = operand(x), operand(h)
+  pre = lambda k: W[k] @ xo + bW[k] + R[k] @ ho + bR[k]
   if mode == "lstm":
     i, f, g, o = sigmoid(pre(0)), sigmoid(pre(1)), np.tanh(pre(2)), sigmoid(pre(3))
     c = f * c + i * g
     return o * np.tanh(c), c
   if mode == "gru":
     r, z = sigmoid(pre(0)), sigmoid(pre(1))
-    n = np.tanh(W[2] @ x + bW[2] + r * (R[2] @ h + bR[2]))
+    n = np.tanh(W[2] @ xo + bW[2] + r * (R[2] @ ho + bR[2]))
     return (1 - z) * n + z * h, c
   act = np.tanh if mode == "rnn_tanh" else (lambda v: np.maximum(v, 0))
   return act(pre(0)), c
 
 
 def numpy_rnn(mode, num_layers, bidirectional, skip_input, weights, biases, x, h0,
-              c0=None, seq_lengths=None):
-  """Runs the RNN; `x [T, B, in]` time major. Returns `(y, h, c)` (c None unless LSTM)."""
+              c0=None, seq_lengths=None, operand=lambda v: v):
+  """Runs the RNN; `x [T, B, in]` time major. Returns `(y, h, c)` (c None unless LSTM).
+
+  `operand(v)` is what the input and the state become where they multiply a
+  weight matrix (under skip_input too, where that matrix is the identity):
+  by default themselves; a rounding models low-precision matmul operands.
+  """
   g = GATES[mode]
   D = 2 if bidirectional else 1
   T, B, _ = x.shape
@@ -56,7 +62,7 @@ def numpy_rnn(mode, num_layers, bidirectional, skip_input, weights, biases, x, h
         c = None if c0 is None else np.array(c0[s, b], np.float64)
         steps = range(lengths[b]) if d == 0 else reversed(range(lengths[b]))
         for t in steps:
-          h, c = _step(mode, W, R, bW, bR, layer_in[t, b], h, c)
+          h, c = _step(mode, W, R, bW, bR, layer_in[t, b], h, c, operand)
           y[t, b, d * H:(d + 1) * H] = h
         h_out[s, b] = h
         if c0 is not None:

@@ -11,12 +11,15 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.test_util import check_grads
 
+import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _reference, _xla
-from helpers import SPEC_CLASSES, random_inputs
+from helpers import SPEC_CLASSES, random_canonical, random_inputs
+from numpy_rnn import numpy_rnn
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -165,3 +168,95 @@ def test_float32_gradients_match_reference():
   g_ref = jax.grad(_loss(_reference.rnn, spec, None), argnums=(0, 3))(*args)
   for a, b in zip(g_fast, g_ref):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+# -- bfloat16: the forward's matmuls take bfloat16 operands --------------------------
+
+
+def _dots(jaxpr):
+  """Every dot_general in a jaxpr and in the jaxprs nested in it (scans, custom_jvp)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          yield from _dots(sub)
+
+
+@pytest.mark.parametrize("T", [6, 32], ids=["step-by-step", "chunked"])
+@pytest.mark.parametrize("dtype,operands", [(jnp.bfloat16, jnp.bfloat16),
+                                            (jnp.float16, jnp.float32),
+                                            (jnp.float32, jnp.float32)])
+def test_forward_matmul_operand_dtypes(dtype, operands, T):
+  """bfloat16 models multiply bfloat16 operands, accumulating in float32 (on
+  CPUs with AMX or AVX512-BF16 several times faster; benchmarks/NOTES.md,
+  session 15); float16 ones multiply in float32 (no faster in float16 there);
+  the reference always multiplies in float32."""
+  spec = jcr.CudnnLSTM(2, 8, 5, direction="bidirectional", dtype=dtype)
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = random_inputs(spec, T, 3)
+  for impl, want in ((_xla.rnn, operands), (_reference.rnn, jnp.float32)):
+    jaxpr = jax.make_jaxpr(lambda x, h, c, p: impl(spec, x, h, c, p))(x, h, c, params)
+    dots = list(_dots(jaxpr.jaxpr))
+    assert len(dots) >= 8, len(dots)  # 2 layers x 2 directions x (projection, recurrence)
+    for eqn in dots:
+      assert [v.aval.dtype for v in eqn.invars] == [want, want], (impl, eqn)
+      assert eqn.outvars[0].aval.dtype == jnp.float32, (impl, eqn)
+
+
+def _round_to_bfloat16(v):
+  return np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+@pytest.mark.parametrize("T", [6, 32], ids=["step-by-step", "chunked"])
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_bfloat16_rounds_only_the_matmul_operands(cls, T):
+  """The float32 output of two bfloat16 layers, before the final cast, against
+  numpy in float64 with each layer's input and state rounded to bfloat16
+  where they multiply a weight matrix, and nowhere else: equal to float32
+  accuracy (measured 1e-7). Without that rounding numpy differs by 4e-4 to
+  9e-3, so this tells the two apart. (A state within float32 rounding of a
+  bfloat16 midpoint could round the other way here than in numpy; these
+  inputs have none.)"""
+  spec = cls(2, 8, 5, direction="bidirectional", dtype=jnp.bfloat16)
+  weights, biases = random_canonical(spec)
+  params = spec.canonical_to_params(weights, biases)
+  x, h, c = random_inputs(spec, T, 3)
+  f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
+  y = f32(x)  # what `_reference.rnn` hands each layer: float32 values
+  for layer in range(2):
+    states = slice(2 * layer, 2 * layer + 2)
+    y, _, _ = _xla.run_layer(spec, y, f32(h)[states], None if c is None else f32(c)[states],
+                             f32(params), layer, None)
+  up = lambda a: None if a is None else np.asarray(a, np.float64)
+  args = (spec.rnn_mode, 2, True, False, [up(w) for w in weights], [up(b) for b in biases],
+          up(x), up(h), up(c))
+  rounded = numpy_rnn(*args, operand=_round_to_bfloat16)[0]
+  exact = numpy_rnn(*args)[0]
+  y = np.asarray(y, np.float64)
+  np.testing.assert_allclose(y, rounded, rtol=0, atol=5e-5)
+  assert np.abs(y - exact).max() > 3e-4
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_bfloat16_gradients_match_reference(cls):
+  """Gradients of a bfloat16 model (chunked forward, with lengths), against
+  the reference's float32 arithmetic. Measured relative errors: 1e-4 to 2e-3
+  for LSTM, GRU and RNN-tanh (the reference itself is 2e-3 from float64
+  here); RNN-relu, whose states are unbounded, 1e-2 to 5e-2, which is what
+  rounding its states to bfloat16 at each of 64 matmuls costs."""
+  spec = cls(2, 8, 5, direction="bidirectional", dtype=jnp.bfloat16)
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = random_inputs(spec, 32, 3)
+  lengths = jnp.array([32, 13, 0], jnp.int32)
+  grads = [jax.jit(jax.grad(_loss(impl, spec, lengths), argnums=(0, 1, 3)))(x, h, c, params)
+           for impl in (_xla.rnn, _reference.rnn)]
+  for fast, ref in zip(*grads):
+    assert fast.dtype == jnp.bfloat16
+    fast, ref = np.asarray(fast, np.float64), np.asarray(ref, np.float64)
+    assert np.linalg.norm(ref) > 0
+    tol = 1e-1 if spec.rnn_mode == "rnn_relu" else 1e-2
+    assert np.linalg.norm(fast - ref) <= tol * np.linalg.norm(ref), \
+        np.linalg.norm(fast - ref) / np.linalg.norm(ref)
