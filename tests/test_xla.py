@@ -4,7 +4,9 @@ Values, reverse-mode gradients with respect to every subset of inputs (each
 subset leaves different tangents symbolically zero), forward-mode JVPs and
 second order, over every mode, direction, input mode, depth and with lengths,
 on short sequences, whose forward runs step by step; and the same on sequences
-long enough for the forward to run a chunk of steps at a time.
+long enough for the forward to run a chunk of steps at a time. Last, bfloat16
+models, whose forward multiplies bfloat16 operands: the operand dtypes, the
+values against numpy with the same rounding, the gradients.
 """
 
 import itertools
