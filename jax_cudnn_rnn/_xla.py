@@ -49,10 +49,11 @@ AVX-512/AMX machine, against about 1000 for bfloat16 operands (a
 [2048, 128] x [128, 1024] product, 6.1 vs 0.95 ms). Interleaved A/Bs there,
 forward / forward+backward (ms): LSTM B16 T256 I128 H256 33 -> 18 / 109 -> 91;
 GRU same shape 25 -> 15 / 93 -> 82; LSTM B32 T100 I256 H256, 2 bidirectional
-layers, 133 -> 57 / 475 -> 398 (benchmarks/NOTES.md, session 15). The backward's matmuls stay float32: they
-are JAX's transposes of the tangent's, and the transpose of a bfloat16 matmul
-with a float32 result takes a float32 cotangent, which XLA then multiplies in
-float32; making them bfloat16 too would need a transpose rule of our own.
+layers, 133 -> 57 / 475 -> 398 (benchmarks/NOTES.md, session 15). The
+backward's matmuls stay float32: they are JAX's transposes of the tangent's,
+and the transpose of a bfloat16 matmul with a float32 result takes a float32
+cotangent, which XLA then multiplies in float32; making them bfloat16 too
+would need a transpose rule of our own.
 float16 operands were no faster on that machine than float32 ones, so float16
 models multiply in float32.
 
