@@ -72,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_cudnn_rnn import _reference, _spec
+from jax_cudnn_rnn import _reference, _rounded_dot, _spec
 
 
 def _blocksum(u: jax.Array, blocks: int) -> jax.Array:
@@ -191,8 +191,9 @@ def operand_dtype(dtype) -> np.dtype | None:
 
 
 def _matmul_in(a: jax.Array, b: jax.Array) -> jax.Array:
-  """`a @ b` with `a` rounded to `b`'s dtype, accumulated and returned in `a`'s."""
-  return jnp.matmul(a.astype(b.dtype), b, preferred_element_type=a.dtype)
+  """`a @ b` with `a` rounded to `b`'s dtype, accumulated and returned in `a`'s
+  (a `_rounded_dot`, for the XLA:CPU kernel choice its docstring explains)."""
+  return _rounded_dot.matmul(a, b, operands=b.dtype)
 
 
 def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients):
@@ -243,13 +244,20 @@ def _layer_jvp(mode, operands, primals, tangents):
     total = _sum(*terms)
     return None if total is None else jnp.broadcast_to(total, (T, B, total.shape[-1]))
 
+  # A bfloat16 model's tangent multiplies bfloat16 operands too, through
+  # `_rounded_dot`, whose transposes (the backward pass's matmuls) do as well.
+  if operands is None:
+    matmul, round_ = jnp.matmul, lambda w: w
+  else:
+    matmul = functools.partial(_rounded_dot.matmul, operands=operands)
+    round_ = lambda w: w.astype(operands)
   A, X = [], []
   for d in range(D):
     hprev = jnp.concatenate([h0[d][None], ys[d][:-1]])
-    Wd = None if W is None else W[d]
-    dx = None if _zero(txs[d]) else _reference.project(txs[d], Wd, g)
-    dw = None if W is None or _zero(tW[d]) else xs[d] @ tW[d]
-    dr = None if _zero(tR[d]) else hprev @ tR[d]
+    Wd = None if W is None else round_(W[d])
+    dx = None if _zero(txs[d]) else _reference.project(txs[d], Wd, g, matmul)
+    dw = None if W is None or _zero(tW[d]) else matmul(xs[d], tW[d])
+    dr = None if _zero(tR[d]) else matmul(hprev, tR[d])
     if gru:
       ax = term(dx, dw, tbW[d])
       X.append(None if ax is None else _blocksum(ax * res[d][0], g))
@@ -265,14 +273,19 @@ def _layer_jvp(mode, operands, primals, tangents):
   # runs much slower at small batch: LSTM B16 H128, 57 -> 32 us a step
   # (benchmarks/NOTES.md, session 12). Forward mode gets the slow orientation
   # instead, and is the rarer use (`jax.jvp` of that LSTM: 11.4 -> 12.4 ms).
-  RT = [r.T for r in R]
+  RT = [round_(r).T for r in R]
+  if operands is None:
+    dot_rt = lambda dh, rt: jax.lax.dot_general(dh, rt, (((1,), (1,)), ((), ())))
+  else:
+    dot_rt = lambda dh, rt: _rounded_dot.rounded_dot(
+        dh, rt, (((1,), (1,)), ((), ())), operands=operands, result=dh.dtype)
 
   def tangent_step(carry, inputs):
     dhs, dcs = carry
     A_t, X_t, res_t, valid_t = inputs
     new_dhs, new_dcs, outs = [], [], []
     for d in range(D):
-      rec = jax.lax.dot_general(dhs[d], RT[d], (((1,), (1,)), ((), ())))  # dh @ R
+      rec = dot_rt(dhs[d], RT[d])  # dh @ R
       pre = rec if A_t[d] is None else A_t[d] + rec
       if lstm:
         K, f, k_h = res_t[d]

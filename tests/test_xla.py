@@ -19,7 +19,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _reference, _xla
+from jax_cudnn_rnn import _reference, _rounded_dot, _xla
 from helpers import SPEC_CLASSES, random_canonical, random_inputs
 from numpy_rnn import numpy_rnn
 
@@ -176,10 +176,14 @@ def test_float32_gradients_match_reference():
 
 
 def _dots(jaxpr):
-  """Every dot_general in a jaxpr and in the jaxprs nested in it (scans, custom_jvp)."""
+  """`(operand dtypes, result dtype)` of every product in a jaxpr and in the
+  jaxprs nested in it (scans, custom_jvp): `dot_general`s, and
+  `_rounded_dot`'s, whose operands are rounded to the dtype it names."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
-      yield eqn
+      yield [v.aval.dtype for v in eqn.invars], eqn.outvars[0].aval.dtype
+    if eqn.primitive is _rounded_dot.rounded_dot_p:
+      yield [eqn.params["operands"]] * 2, eqn.outvars[0].aval.dtype
     for value in eqn.params.values():
       for sub in value if isinstance(value, (tuple, list)) else (value,):
         sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
@@ -203,9 +207,32 @@ def test_forward_matmul_operand_dtypes(dtype, operands, T):
     jaxpr = jax.make_jaxpr(lambda x, h, c, p: impl(spec, x, h, c, p))(x, h, c, params)
     dots = list(_dots(jaxpr.jaxpr))
     assert len(dots) >= 8, len(dots)  # 2 layers x 2 directions x (projection, recurrence)
-    for eqn in dots:
-      assert [v.aval.dtype for v in eqn.invars] == [want, want], (impl, eqn)
-      assert eqn.outvars[0].aval.dtype == jnp.float32, (impl, eqn)
+    for operands, result in dots:
+      assert operands == [want, want], (impl, operands)
+      assert result == jnp.float32, (impl, result)
+
+
+@pytest.mark.parametrize("dtype,operands", [(jnp.bfloat16, jnp.bfloat16),
+                                            (jnp.float16, jnp.float32),
+                                            (jnp.float32, jnp.float32)])
+def test_gradient_matmul_operand_dtypes(dtype, operands):
+  """The backward pass of a bfloat16 model multiplies bfloat16 operands too:
+  every product in its gradient's jaxpr (the forward, the tangent, and the
+  transposes that are the backward pass: `_rounded_dot`) does. Chunked, with
+  lengths, skip_input for the first layer."""
+  spec = jcr.CudnnGRU(2, 8, 8, direction="bidirectional", input_mode="skip_input", dtype=dtype)
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = random_inputs(spec, 32, 3)
+  lengths = jnp.array([32, 13, 0], jnp.int32)
+  grad = jax.grad(_loss(_xla.rnn, spec, lengths), argnums=(0, 1, 3))
+  dots = list(_dots(jax.make_jaxpr(grad)(x, h, c, params).jaxpr))
+  # Per layer and direction: the forward's recurrence (and projection, but for
+  # layer 0), and in the backward the data, input-weight and recurrent-weight
+  # gradients and the recurrence's transpose.
+  assert len(dots) >= 4 * 5, len(dots)
+  for got_operands, result in dots:
+    assert got_operands == [operands, operands], got_operands
+    assert result == jnp.float32, result
 
 
 def _round_to_bfloat16(v):

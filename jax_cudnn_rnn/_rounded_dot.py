@@ -1,0 +1,197 @@
+"""A matmul that rounds its operands, and whose transposes round theirs too.
+
+`rounded_dot(a, b, dims, operands=bfloat16, result=float32)` is
+`lax.dot_general(a.astype(bfloat16), b.astype(bfloat16), dims,
+preferred_element_type=float32)`: the product of the rounded operands,
+accumulated in float32. What it adds over writing that out is its
+derivative: it is a bilinear JAX primitive whose transposes are again
+`rounded_dot`s, so the cotangent is rounded too and the backward pass's
+matmuls also multiply bfloat16 operands.
+
+Why a primitive. JAX's transpose of `dot_general(a_bf16, b_bf16,
+preferred_element_type=f32)` multiplies the float32 cotangent by the other
+operand as it stands, and XLA:CPU runs that mixed product (and one of two
+float32 operands converted from bfloat16) as a float32 matmul: about 150
+GFLOP/s on a 2-core AVX-512/AMX machine, against 500-1000 for bfloat16
+operands with a float32 result (benchmarks/NOTES.md, session 16). `_xla`'s
+backward pass is JAX's transpose of its hand-written tangent, so the fast
+product has to be what that tangent is made of. A `custom_vjp` cannot be:
+JAX cannot transpose one inside a `custom_jvp` rule's tangent (it raises
+"Transpose rule ... for 'custom_vjp_call' not implemented"), and
+`jax.custom_transpose` is not public API. A primitive keeps forward mode,
+higher orders, `vmap` and sharding working, through the rules below.
+
+The semantics of the rounding: where it sits in `_xla`, the first-order
+gradients are float32 arithmetic on bfloat16-rounded operands, as cuDNN and
+oneDNN compute a bfloat16 RNN's backward pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+rounded_dot_p = Primitive("jcr_rounded_dot")
+
+
+def _dims(dimension_numbers):
+  """`((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))` as nested tuples of ints."""
+  return tuple(tuple(tuple(int(i) for i in axes) for axes in pair) for pair in dimension_numbers)
+
+
+def _same_varying_axes(a, b):
+  """Inside `shard_map`, an operand invariant along a mesh axis that the other
+  varies along is cast to varying, as JAX's own operations do (the transpose
+  of that cast sums the cotangent over the axis: a replicated weight's
+  gradient comes back summed)."""
+  def vma(v):  # the aval's `mat.varying` (jax 0.10 to 0.12 at least; `vma` before)
+    aval = jax.typeof(v)
+    return frozenset(getattr(getattr(aval, "mat", None), "varying", None)
+                     or getattr(aval, "vma", ()))
+
+  missing_a, missing_b = vma(b) - vma(a), vma(a) - vma(b)
+  if missing_a:
+    a = jax.lax.pcast(a, tuple(sorted(missing_a)), to="varying")
+  if missing_b:
+    b = jax.lax.pcast(b, tuple(sorted(missing_b)), to="varying")
+  return a, b
+
+
+def rounded_dot(a, b, dimension_numbers, *, operands, result, out_sharding=None):
+  """`lax.dot_general` of `a` and `b` rounded to `operands`, accumulated and
+  returned in `result`; its derivatives are `rounded_dot`s too (module
+  docstring). `out_sharding` is `lax.dot_general`'s."""
+  a, b = _same_varying_axes(a, b)
+  return rounded_dot_p.bind(a, b, dimension_numbers=_dims(dimension_numbers),
+                            operands=np.dtype(operands), result=np.dtype(result),
+                            out_sharding=out_sharding)
+
+
+def matmul(a, b, *, operands, result=None):
+  """`a @ b` for `a [..., K]` and `b [K, N]`, as a `rounded_dot` (result: `a`'s dtype)."""
+  dims = (((a.ndim - 1,), (0,)), ((), ()))
+  return rounded_dot(a, b, dims, operands=operands, result=result or a.dtype)
+
+
+def _impl(a, b, *, dimension_numbers, operands, result, out_sharding):
+  # The barrier keeps XLA from rewriting the product with what follows it:
+  # XLA:CPU folds a transpose of a dot's result into the dot (as another
+  # output layout, or by swapping its operands), and then runs it with a
+  # kernel that has no bfloat16 x bfloat16 -> float32 case, failing at run
+  # time with "UNIMPLEMENTED: Unsupported element type for DotThunk::Execute:
+  # BF16 x BF16 = F32" (jax 0.10.2 and 0.12.0.1; the weight gradients, whose
+  # transposes into the opaque layout follow them, did). It cost nothing
+  # measurable in the forward pass (LSTM B16 T256 I128 H256: 14.7 vs 14.9 ms).
+  out = jax.lax.dot_general(a.astype(operands), b.astype(operands), dimension_numbers,
+                            preferred_element_type=result, out_sharding=out_sharding)
+  return jax.lax.optimization_barrier(out)
+
+
+def _abstract_eval(a, b, **params):
+  out = jax.eval_shape(functools.partial(_impl, **params),
+                       jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                       jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=b.sharding))
+  return a.update(shape=out.shape, dtype=out.dtype, sharding=out.sharding, weak_type=False)
+
+
+rounded_dot_p.def_impl(_impl)
+rounded_dot_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(rounded_dot_p, mlir.lower_fun(_impl, multiple_results=False))
+
+
+# -- transposes ------------------------------------------------------------------------
+#
+# A product's axes are its batch axes, then its first operand's free axes,
+# then its second's (each in their operand's order). The transpose with
+# respect to one operand, `x`, multiplies the cotangent by the other operand,
+# `y`: it contracts the cotangent's axes that came from `y`'s free axes with
+# those, and keeps the batch axes. Of the two orders of that product's
+# operands, the one whose axes come out in `x`'s own order is taken where
+# there is one (a matmul's transposes always have one), saving a transpose.
+
+
+def _free(ndim, contract, batch):
+  return [i for i in range(ndim) if i not in contract and i not in batch]
+
+
+def _transpose(ct, y, x_aval, x_contract, y_contract, x_batch, y_batch, x_free, ct_y_free,
+               params):
+  """The cotangent of `x` in the product of `x` and `y` (in either order);
+  `ct_y_free`: the cotangent's axes that came from `y`'s free ones."""
+  nb = len(x_batch)
+  y_free = _free(y.ndim, y_contract, y_batch)
+  ct_batch = tuple(range(nb))
+  partners = [x_contract[j] for j in np.argsort(y_contract)]  # x's axes left on y's side
+  candidates = [  # (operands, dimension numbers, the product's axes named as x's)
+      ((ct, y), ((ct_y_free, tuple(y_free)), (ct_batch, y_batch)),
+       list(x_batch) + x_free + partners),
+      ((y, ct), ((tuple(y_free), ct_y_free), (y_batch, ct_batch)),
+       list(x_batch) + partners + x_free),
+  ]
+  identity = [c for c in candidates if c[2] == sorted(c[2])]
+  (lhs, rhs), dims, order = (identity or candidates)[0]
+  spec = None
+  sharding = x_aval.sharding
+  if not sharding.mesh.empty:  # where lax.dot_general's own transposes place theirs
+    spec = sharding.update(spec=sharding.spec.update(
+        partitions=tuple(sharding.spec[o] if o < len(sharding.spec) else None for o in order)))
+  out = rounded_dot(lhs, rhs, dims, operands=params["operands"], result=x_aval.dtype,
+                    out_sharding=spec)
+  if identity:
+    return out
+  return jax.lax.transpose(out, tuple(int(i) for i in np.argsort(order)))
+
+
+def _transpose_lhs(ct, a, b, *, dimension_numbers, **params):
+  (ca, cb), (ba, bb) = dimension_numbers
+  a_free = _free(a.aval.ndim, ca, ba)
+  b_free = _free(b.ndim, cb, bb)
+  start = len(ba) + len(a_free)
+  ct_b_free = tuple(range(start, start + len(b_free)))
+  return _transpose(ct, b, a.aval, ca, cb, ba, bb, a_free, ct_b_free, params)
+
+
+def _transpose_rhs(ct, a, b, *, dimension_numbers, **params):
+  (ca, cb), (ba, bb) = dimension_numbers
+  a_free = _free(a.ndim, ca, ba)
+  b_free = _free(b.aval.ndim, cb, bb)
+  ct_a_free = tuple(range(len(ba), len(ba) + len(a_free)))
+  return _transpose(ct, a, b.aval, cb, ca, bb, ba, b_free, ct_a_free, params)
+
+
+ad.defbilinear(rounded_dot_p, _transpose_lhs, _transpose_rhs)
+
+
+# -- vmap ------------------------------------------------------------------------------
+
+
+def _batch(args, batch_axes, *, dimension_numbers, out_sharding, **params):
+  """The mapped axis moved to the front of each mapped operand: a new batch
+  axis when both are mapped, else a free axis of the mapped one."""
+  (a, b), (da, db) = args, batch_axes
+  (ca, cb), (ba, bb) = dimension_numbers
+  up = lambda axes: tuple(i + 1 for i in axes)
+  if da is not None:
+    a, ca, ba = jax.numpy.moveaxis(a, da, 0), up(ca), up(ba)
+  if db is not None:
+    b, cb, bb = jax.numpy.moveaxis(b, db, 0), up(cb), up(bb)
+  if da is not None and db is not None:
+    ba, bb, out_axis = (0,) + ba, (0,) + bb, 0
+  elif da is not None:
+    out_axis = len(ba)
+  else:
+    out_axis = len(ba) + len(_free(a.ndim, ca, ba))
+  if out_sharding is not None:
+    partitions = list(out_sharding.spec)
+    partitions.insert(out_axis, None)
+    out_sharding = out_sharding.update(spec=out_sharding.spec.update(partitions=partitions))
+  out = rounded_dot_p.bind(a, b, dimension_numbers=((ca, cb), (ba, bb)),
+                           out_sharding=out_sharding, **params)
+  return out, out_axis
+
+
+batching.primitive_batchers[rounded_dot_p] = _batch
