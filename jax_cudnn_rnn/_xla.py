@@ -50,10 +50,14 @@ AVX-512/AMX machine, against about 1000 for bfloat16 operands (a
 forward / forward+backward (ms): LSTM B16 T256 I128 H256 33 -> 18 / 109 -> 91;
 GRU same shape 25 -> 15 / 93 -> 82; LSTM B32 T100 I256 H256, 2 bidirectional
 layers, 133 -> 57 / 475 -> 398 (benchmarks/NOTES.md, session 15). The
-backward's matmuls stay float32: they are JAX's transposes of the tangent's,
-and the transpose of a bfloat16 matmul with a float32 result takes a float32
-cotangent, which XLA then multiplies in float32; making them bfloat16 too
-would need a transpose rule of our own.
+tangent's matmuls, and so the backward pass's (their transposes), multiply
+bfloat16 operands too, the cotangents rounded where they meet a weight
+matrix or a layer's inputs: they are `_rounded_dot`s, a primitive whose
+transposes round their operands (JAX's own transpose of a bfloat16 matmul
+with a float32 result multiplies the float32 cotangent as it is, and XLA then
+multiplies in float32). Forward+backward, interleaved A/Bs (ms): LSTM B16
+T256 I128 H256 94 -> 69, GRU same shape 66 -> 49, LSTM B32 T100 I256 H256,
+2 bidirectional layers, 344 -> 234 (session 16).
 float16 operands were no faster on that machine than float32 ones, so float16
 models multiply in float32.
 

@@ -5,8 +5,10 @@ subset leaves different tangents symbolically zero), forward-mode JVPs and
 second order, over every mode, direction, input mode, depth and with lengths,
 on short sequences, whose forward runs step by step; and the same on sequences
 long enough for the forward to run a chunk of steps at a time. Last, bfloat16
-models, whose forward multiplies bfloat16 operands: the operand dtypes, the
-values against numpy with the same rounding, the gradients.
+models, whose forward and backward passes multiply bfloat16 operands: the
+operand dtypes, the values against numpy with the same rounding, the
+gradients, forward mode and `vmap` (`test_rounded_dot.py` holds the product
+itself against a hand-rounded one).
 """
 
 import itertools
@@ -172,7 +174,7 @@ def test_float32_gradients_match_reference():
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
 
-# -- bfloat16: the forward's matmuls take bfloat16 operands --------------------------
+# -- bfloat16: the matmuls take bfloat16 operands ------------------------------------
 
 
 def _dots(jaxpr):
@@ -272,10 +274,11 @@ def test_bfloat16_rounds_only_the_matmul_operands(cls, T):
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_bfloat16_gradients_match_reference(cls):
   """Gradients of a bfloat16 model (chunked forward, with lengths), against
-  the reference's float32 arithmetic. Measured relative errors: 1e-4 to 2e-3
-  for LSTM, GRU and RNN-tanh (the reference itself is 2e-3 from float64
-  here); RNN-relu, whose states are unbounded, 1e-2 to 5e-2, which is what
-  rounding its states to bfloat16 at each of 64 matmuls costs."""
+  the reference's float32 arithmetic. Measured relative errors, with the
+  backward pass's products rounded too (`_rounded_dot`): 4e-4 to 4e-3 for
+  LSTM, GRU and RNN-tanh (the reference itself is 2e-3 from float64 here);
+  RNN-relu, whose states are unbounded, 1e-2 to 5e-2, which is what rounding
+  its states to bfloat16 at each of 64 matmuls costs."""
   spec = cls(2, 8, 5, direction="bidirectional", dtype=jnp.bfloat16)
   params = spec.init_params(jax.random.key(0))
   x, h, c = random_inputs(spec, 32, 3)
@@ -289,3 +292,31 @@ def test_bfloat16_gradients_match_reference(cls):
     tol = 1e-1 if spec.rnn_mode == "rnn_relu" else 1e-2
     assert np.linalg.norm(fast - ref) <= tol * np.linalg.norm(ref), \
         np.linalg.norm(fast - ref) / np.linalg.norm(ref)
+
+
+def _relative_error(fast, ref):
+  fast, ref = np.asarray(fast, np.float64), np.asarray(ref, np.float64)
+  assert np.linalg.norm(ref) > 0
+  return np.linalg.norm(fast - ref) / np.linalg.norm(ref)
+
+
+def test_bfloat16_forward_mode_and_vmapped_gradients():
+  """Through `_rounded_dot`'s JVP and batching rules: a bfloat16 GRU's
+  `jax.jvp` in its weights, and `vmap(grad)` over two weight sets, against
+  the float32 reference's."""
+  spec = jcr.CudnnGRU(2, 8, 5, direction="bidirectional", dtype=jnp.bfloat16)
+  params = spec.init_params(jax.random.key(0))
+  other = spec.init_params(jax.random.key(1))
+  x, h, _ = random_inputs(spec, 32, 3)
+  lengths = jnp.array([32, 13, 0], jnp.int32)
+  out = lambda impl: lambda p: impl(spec, x, h, None, p, seq_lengths=lengths)[0]
+  jvp = lambda impl: jax.jit(lambda p, t: jax.jvp(out(impl), (p,), (t,)))(params, other)
+  for fast, ref in zip(jvp(_xla.rnn), jvp(_reference.rnn)):
+    assert _relative_error(fast, ref) <= 1e-2, _relative_error(fast, ref)
+  both = jnp.stack([params, other])
+  grads = lambda impl: jax.jit(jax.vmap(jax.grad(
+      lambda p: _loss(impl, spec, lengths)(x, h, None, p).astype(jnp.float32))))(both)
+  fast, ref = grads(_xla.rnn), grads(_reference.rnn)
+  assert fast.shape == both.shape
+  for a, b in zip(fast, ref):
+    assert _relative_error(a, b) <= 1e-2, _relative_error(a, b)
