@@ -10,10 +10,10 @@ matmuls also multiply bfloat16 operands.
 
 Why a primitive. JAX's transpose of `dot_general(a_bf16, b_bf16,
 preferred_element_type=f32)` multiplies the float32 cotangent by the other
-operand as it stands, and XLA:CPU runs that mixed product (and one of two
-float32 operands converted from bfloat16) as a float32 matmul: about 150
-GFLOP/s on a 2-core AVX-512/AMX machine, against 500-1000 for bfloat16
-operands with a float32 result (benchmarks/NOTES.md, session 16). `_xla`'s
+operand as it stands. XLA:CPU runs that mixed product as a float32 matmul,
+as it does a product of two float32 operands converted from bfloat16
+values: about 150 GFLOP/s on a 2-core AVX-512/AMX machine, against 500-1000
+for bfloat16 operands with a float32 result (benchmarks/NOTES.md, session 16). `_xla`'s
 backward pass is JAX's transpose of its hand-written tangent, so the fast
 product has to be what that tangent is made of. A `custom_vjp` cannot be:
 JAX cannot transpose one inside a `custom_jvp` rule's tangent (it raises
@@ -21,9 +21,10 @@ JAX cannot transpose one inside a `custom_jvp` rule's tangent (it raises
 `jax.custom_transpose` is not public API. A primitive keeps forward mode,
 higher orders, `vmap` and sharding working, through the rules below.
 
-The semantics of the rounding: where it sits in `_xla`, the first-order
-gradients are float32 arithmetic on bfloat16-rounded operands, as cuDNN and
-oneDNN compute a bfloat16 RNN's backward pass.
+What it means for `_xla`'s gradients: each matmul of the backward pass
+multiplies the cotangent and the weights (or the layer's inputs and states)
+rounded to bfloat16, and accumulates in float32, as tensor-core matmuls take
+them; everything element-wise stays float32.
 """
 
 from __future__ import annotations
@@ -185,8 +186,9 @@ def _batch(args, batch_axes, *, dimension_numbers, out_sharding, **params):
     out_axis = len(ba)
   else:
     out_axis = len(ba) + len(_free(a.ndim, ca, ba))
-  if out_sharding is not None:
-    partitions = list(out_sharding.spec)
+  if out_sharding is not None:  # unmapped along the new axis
+    ndim = len(ba) + len(_free(a.ndim, ca, ba)) + len(_free(b.ndim, cb, bb)) - 1
+    partitions = list(out_sharding.spec) + [None] * (ndim - len(out_sharding.spec))
     partitions.insert(out_axis, None)
     out_sharding = out_sharding.update(spec=out_sharding.spec.update(partitions=partitions))
   out = rounded_dot_p.bind(a, b, dimension_numbers=((ca, cb), (ba, bb)),
