@@ -25,6 +25,11 @@ What it means for `_xla`'s gradients: each matmul of the backward pass
 multiplies the cotangent and the weights (or the layer's inputs and states)
 rounded to bfloat16, and accumulates in float32, as tensor-core matmuls take
 them; everything element-wise stays float32.
+
+A file DESIGN's layout does not list (nor `_xla`, whose docstring says why
+it exists): it holds one idea, a JAX primitive with its own abstract
+evaluation, lowering, differentiation and batching rules, which knows
+nothing of RNNs; `_xla` uses it for bfloat16 models.
 """
 
 from __future__ import annotations
