@@ -194,10 +194,18 @@ def operand_dtype(dtype) -> np.dtype | None:
   return np.dtype(jnp.bfloat16) if np.dtype(dtype) == jnp.bfloat16 else None
 
 
-def _matmul_in(a: jax.Array, b: jax.Array) -> jax.Array:
-  """`a @ b` with `a` rounded to `b`'s dtype, accumulated and returned in `a`'s
-  (a `_rounded_dot`, for the XLA:CPU kernel choice its docstring explains)."""
-  return _rounded_dot.matmul(a, b, operands=b.dtype)
+def _products(operands):
+  """`(dot_general, matmul, round_)` for a model whose matmul operands are
+  `operands` (`operand_dtype`): JAX's own products where None, else
+  `_rounded_dot`s rounding to `operands` (accumulating in, and returning,
+  the first operand's dtype), with `round_` casting a weight matrix once
+  rather than in every step."""
+  if operands is None:
+    return jax.lax.dot_general, jnp.matmul, lambda w: w
+  dot_general = lambda a, b, dims: _rounded_dot.rounded_dot(a, b, dims, operands=operands,
+                                                            result=a.dtype)
+  return (dot_general, functools.partial(_rounded_dot.matmul, operands=operands),
+          lambda w: w.astype(operands))
 
 
 def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients):
@@ -206,11 +214,9 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients):
   coefficients stacked over time when `coefficients`, else empty tuples.
   `operands`: `operand_dtype` of the model."""
   cell = functools.partial(_CELLS[mode], coefficients=coefficients)
-  matmul = jnp.matmul
-  if operands is not None:
-    W = None if W is None else tuple(w.astype(operands) for w in W)
-    R = tuple(r.astype(operands) for r in R)
-    matmul = _matmul_in
+  _, matmul, round_ = _products(operands)
+  W = None if W is None else tuple(round_(w) for w in W)
+  R = tuple(round_(r) for r in R)
   chunk = chunk_steps(xs[0].shape[0])
   if chunk == 1:
     return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul)
@@ -250,11 +256,7 @@ def _layer_jvp(mode, operands, primals, tangents):
 
   # A bfloat16 model's tangent multiplies bfloat16 operands too, through
   # `_rounded_dot`, whose transposes (the backward pass's matmuls) do as well.
-  if operands is None:
-    matmul, round_ = jnp.matmul, lambda w: w
-  else:
-    matmul = functools.partial(_rounded_dot.matmul, operands=operands)
-    round_ = lambda w: w.astype(operands)
+  dot_general, matmul, round_ = _products(operands)
   A, X = [], []
   for d in range(D):
     hprev = jnp.concatenate([h0[d][None], ys[d][:-1]])
@@ -278,18 +280,13 @@ def _layer_jvp(mode, operands, primals, tangents):
   # (benchmarks/NOTES.md, session 12). Forward mode gets the slow orientation
   # instead, and is the rarer use (`jax.jvp` of that LSTM: 11.4 -> 12.4 ms).
   RT = [round_(r).T for r in R]
-  if operands is None:
-    dot_rt = lambda dh, rt: jax.lax.dot_general(dh, rt, (((1,), (1,)), ((), ())))
-  else:
-    dot_rt = lambda dh, rt: _rounded_dot.rounded_dot(
-        dh, rt, (((1,), (1,)), ((), ())), operands=operands, result=dh.dtype)
 
   def tangent_step(carry, inputs):
     dhs, dcs = carry
     A_t, X_t, res_t, valid_t = inputs
     new_dhs, new_dcs, outs = [], [], []
     for d in range(D):
-      rec = dot_rt(dhs[d], RT[d])  # dh @ R
+      rec = dot_general(dhs[d], RT[d], (((1,), (1,)), ((), ())))  # dh @ R
       pre = rec if A_t[d] is None else A_t[d] + rec
       if lstm:
         K, f, k_h = res_t[d]
