@@ -13,7 +13,8 @@ Forward ("fwd", inference) and forward+backward ("fwd+bwd", gradient of a sum
 with respect to the input and all weights). Each figure is the median of
 `--repeats` timings (after warm-up and compilation) and the spread
 (interquartile range), timed in round-robin rounds across the contenders so that
-a slow stretch of a noisy machine falls on all alike; and the memory each call
+a slow stretch of a noisy machine falls on all alike, each timed call led in by an
+untimed call of the same contender (`--lead-in`); and the memory each call
 needs beyond its inputs (`MEMORY_MEASURE`): for JAX contenders XLA's temporary
 and output buffers of the compiled computation (`memory_analysis()`, any
 backend), plus, for `ours-cudnn`, the cuDNN workspace its handlers take from
@@ -96,11 +97,16 @@ def grid(quick: bool, gpu: bool) -> list[Shape]:
 # -- timing ---------------------------------------------------------------------------
 
 
-def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int) -> dict:
+def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
+                      lead_in: int = 1) -> dict:
   """Times every `fns[name]()` in round-robin rounds, so that a slow stretch of a noisy
   machine falls on all contenders alike; per name the median and interquartile range of
-  all `repeats` timings (after `warmup` untimed calls each). A contender that fails is
-  reported as `{"error": ...}`."""
+  all `repeats` timings (after `warmup` untimed calls each). In every round each
+  contender first makes `lead_in` untimed calls, so that each timed call follows a call
+  of its own, as a training loop's steps do, and not another contender's: on a 2-core
+  CPU, a JAX call made right after a PyTorch call ran 10-35% slower than one made after
+  itself (PyTorch's OpenMP threads still hold the cores; benchmarks/NOTES.md, session 17).
+  A contender that fails is reported as `{"error": ...}`."""
   samples, failed = {name: [] for name in fns}, {}
   for name, fn in fns.items():
     try:
@@ -114,6 +120,8 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int) -> dict
       if name in failed:
         continue
       try:  # a contender may also fail later (out of memory on a GPU): drop it, keep the rest
+        for _ in range(lead_in):
+          fn()
         for _ in range(per_round):
           start = time.perf_counter()
           fn()
@@ -389,6 +397,9 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", type=int, default=None,
                       help="the repeats are split into this many round-robin rounds "
                            "(default: one per repeat, each contender timed once a round)")
+  parser.add_argument("--lead-in", type=int, default=1,
+                      help="untimed calls each contender makes before its timed ones in "
+                           "every round, so that no timing follows another contender's call")
   parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--machine", default=None, help="name in the output files")
   parser.add_argument("--only", default=None, help="comma-separated contenders to run")
@@ -430,7 +441,8 @@ def main(argv=None) -> int:
       if fns is not None:
         timed.update({(impl, phase): fn for phase, fn in zip(("fwd", "fwd+bwd"), fns[:2])})
         memory.update({(impl, phase): fns[2][phase] for phase in ("fwd", "fwd+bwd")})
-    for (impl, phase), r in _time_interleaved(timed, repeats, args.warmup, rounds).items():
+    timings = _time_interleaved(timed, repeats, args.warmup, rounds, args.lead_in)
+    for (impl, phase), r in timings.items():
       if "error" in r:
         print(f"{shape.name:55s} {impl:22s} {phase}: failed: {r['error']}"[:200])
         continue
@@ -444,8 +456,8 @@ def main(argv=None) -> int:
   stem = out_dir / f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
             "cpu": cpu, "versions": versions(), "quick": args.quick, "repeats": repeats,
-            "warmup": args.warmup, "rounds": rounds, "memory_measure": MEMORY_MEASURE,
-            "results": results}
+            "warmup": args.warmup, "rounds": rounds, "lead_in": args.lead_in,
+            "memory_measure": MEMORY_MEASURE, "results": results}
   stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
   table = markdown(results, device_name if gpu else
                    f"{device_name} ({cpu['model']}; {', '.join(cpu['isa']) or 'no AVX2'})")

@@ -13,6 +13,7 @@ import json
 import pathlib
 import re
 import sys
+import time
 
 import pytest
 
@@ -49,6 +50,7 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   record = json.loads(next(tmp_path.glob("test-*-quick.json")).read_text())
   assert record["machine"] == "test" and record["repeats"] == 2
   assert record["rounds"] == 2  # by default one timing per contender per round
+  assert record["lead_in"] == 1  # each led in by an untimed call of its own
   assert {"jax", "numpy", "cudnn"} <= set(record["versions"])
   cpu = record["cpu"]  # which CPU: the lent machines differ (AVX2 on one, AVX-512 on another)
   assert isinstance(cpu["model"], str) and cpu["model"], cpu
@@ -95,18 +97,40 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
       assert float(cells[3 + 2 * k].rstrip("x")) == pytest.approx(ratio, abs=0.006)
 
 
-@pytest.mark.parametrize("rounds, order", [
-    (3, ["a", "b", "a", "b", "a", "b"]),   # one call each a round: fully interleaved
-    (1, ["a", "a", "a", "b", "b", "b"]),
+@pytest.mark.parametrize("rounds, lead_in, order", [
+    (3, 0, ["a", "b", "a", "b", "a", "b"]),   # one call each a round: fully interleaved
+    (1, 0, ["a", "a", "a", "b", "b", "b"]),
+    (3, 1, ["a", "a", "b", "b"] * 3),        # each timed call led in by an untimed one
+    (1, 2, ["a"] * 5 + ["b"] * 5),
 ])
-def test_timing_rounds_interleave_the_contenders(rounds, order):
+def test_timing_rounds_interleave_the_contenders(rounds, lead_in, order):
   run = _load_benchmark()
   calls = []
   fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
-  timed = run._time_interleaved(fns, repeats=3, warmup=1, rounds=rounds)
+  timed = run._time_interleaved(fns, repeats=3, warmup=1, rounds=rounds, lead_in=lead_in)
   assert calls[:2] == ["a", "b"]  # the warm-up calls
   assert calls[2:] == order
   assert all(timed[name]["repeats"] == 3 for name in fns)
+
+
+@pytest.mark.parametrize("lead_in", [0, 1])
+def test_lead_in_keeps_a_predecessors_slowdown_out_of_the_timings(lead_in):
+  # "a" is slow right after a call of "b" (as a JAX call is right after PyTorch's on a
+  # small CPU); with a lead-in, only untimed calls of "a" pay for that.
+  run = _load_benchmark()
+  last = {"name": None}
+  def make(name, penalty_s):
+    def call():
+      if last["name"] not in (None, name):
+        time.sleep(penalty_s)
+      last["name"] = name
+    return call
+  timed = run._time_interleaved({"a": make("a", 0.03), "b": make("b", 0.0)},
+                                repeats=5, warmup=1, rounds=5, lead_in=lead_in)
+  if lead_in:
+    assert timed["a"]["median_s"] < 0.01, timed
+  else:
+    assert timed["a"]["median_s"] >= 0.03, timed
 
 
 def test_a_failing_contender_is_reported_and_the_others_timed():
