@@ -104,8 +104,8 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
   all `repeats` timings (after `warmup` untimed calls each). In every round each
   contender first makes `lead_in` untimed calls, so that each timed call follows a call
   of its own, as a training loop's steps do, and not another contender's: on a 2-core
-  CPU, a JAX call made right after a PyTorch call ran 10-35% slower than one made after
-  itself (PyTorch's OpenMP threads still hold the cores; benchmarks/NOTES.md, session 17).
+  CPU, a JAX call made right after a PyTorch call ran 6-38% slower than one made after
+  itself (likely PyTorch's OpenMP threads, still spinning; benchmarks/NOTES.md, session 17).
   A contender that fails is reported as `{"error": ...}`."""
   samples, failed = {name: [] for name in fns}, {}
   for name, fn in fns.items():
