@@ -15,6 +15,13 @@ SPEC_CLASSES = (jcr.CudnnLSTM, jcr.CudnnGRU, jcr.CudnnRNNTanh, jcr.CudnnRNNRelu)
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 
 
+def relative_error(got, want) -> float:
+  """`|got - want| / |want|` in the Frobenius norm, in float64; `want` must not be zero."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert np.linalg.norm(want) > 0
+  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
 def canonical_shapes(spec):
   """Canonical shapes from the documented order, computed independently of `_layout`."""
   g, H, D = GATES[spec.rnn_mode], spec.num_units, 2 if spec.direction == "bidirectional" else 1

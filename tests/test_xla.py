@@ -22,7 +22,7 @@ from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _reference, _rounded_dot, _xla
-from helpers import SPEC_CLASSES, random_canonical, random_inputs
+from helpers import SPEC_CLASSES, random_canonical, random_inputs, relative_error
 from numpy_rnn import numpy_rnn
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -271,12 +271,6 @@ def test_bfloat16_rounds_only_the_matmul_operands(cls, T):
   assert np.abs(y - exact).max() > 3e-4
 
 
-def _relative_error(fast, ref):
-  fast, ref = np.asarray(fast, np.float64), np.asarray(ref, np.float64)
-  assert np.linalg.norm(ref) > 0
-  return np.linalg.norm(fast - ref) / np.linalg.norm(ref)
-
-
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_bfloat16_gradients_match_reference(cls):
   """Gradients of a bfloat16 model (chunked forward, with lengths), against
@@ -294,7 +288,7 @@ def test_bfloat16_gradients_match_reference(cls):
   for fast, ref in zip(*grads):
     assert fast.dtype == jnp.bfloat16
     tol = 1e-1 if spec.rnn_mode == "rnn_relu" else 1e-2
-    assert _relative_error(fast, ref) <= tol, _relative_error(fast, ref)
+    assert relative_error(fast, ref) <= tol, relative_error(fast, ref)
 
 
 def test_bfloat16_forward_mode_and_vmapped_gradients():
@@ -309,11 +303,11 @@ def test_bfloat16_forward_mode_and_vmapped_gradients():
   out = lambda impl: lambda p: impl(spec, x, h, None, p, seq_lengths=lengths)[0]
   jvp = lambda impl: jax.jit(lambda p, t: jax.jvp(out(impl), (p,), (t,)))(params, other)
   for fast, ref in zip(jvp(_xla.rnn), jvp(_reference.rnn)):
-    assert _relative_error(fast, ref) <= 1e-2, _relative_error(fast, ref)
+    assert relative_error(fast, ref) <= 1e-2, relative_error(fast, ref)
   both = jnp.stack([params, other])
   grads = lambda impl: jax.jit(jax.vmap(jax.grad(
       lambda p: _loss(impl, spec, lengths)(x, h, None, p).astype(jnp.float32))))(both)
   fast, ref = grads(_xla.rnn), grads(_reference.rnn)
   assert fast.shape == both.shape
   for a, b in zip(fast, ref):
-    assert _relative_error(a, b) <= 1e-2, _relative_error(a, b)
+    assert relative_error(a, b) <= 1e-2, relative_error(a, b)
