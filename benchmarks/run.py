@@ -21,7 +21,9 @@ backend), plus, for `ours-cudnn`, the cuDNN workspace its handlers take from
 XLA's scratch allocator at run time, which `memory_analysis` does not count (a
 peer such as `jax.experimental.rnn` keeps its workspace in an XLA buffer, so it
 is counted there); for PyTorch on a GPU the peak allocated during one call less
-what was allocated before it.
+what was allocated before it. For JAX contenders also the time each phase took
+to trace and compile (`COMPILE_MEASURE`): the "xla" path's chunked forward
+unrolls its steps, and a user pays that once per shape.
 
 Writes `<out-dir>/<machine>-<date>.json` (every figure, versions, device),
 `<machine>-<date>.md` (ratios of each peer's time to ours: > 1 means we are
@@ -142,15 +144,21 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
 MEMORY_MEASURE = ("bytes a call needs beyond its inputs: XLA temp + outputs - aliased "
                   "(+ cuDNN run-time workspace for ours-cudnn); PyTorch: peak allocated "
                   "during the call - allocated before")
+COMPILE_MEASURE = ("wall time of `jax.jit(f).lower(*args).compile()`, once per phase, in "
+                   "one process after a warm-up compile (no persistent compilation cache); "
+                   "PyTorch runs eagerly and has none")
 
 
 def _jax_contender(fwd, grad, args, scratch=None):
-  """Compiles `fwd(*args)` and `grad(*args)` once each; returns the two compiled calls and
+  """Compiles `fwd(*args)` and `grad(*args)` once each; returns the two compiled calls,
   the bytes each needs beyond its inputs (`MEMORY_MEASURE`), adding `scratch[phase]`: what
-  the computation allocates at run time outside XLA's buffers."""
-  calls, memory = [], {}
+  the computation allocates at run time outside XLA's buffers, and the seconds each took
+  to trace and compile (`COMPILE_MEASURE`)."""
+  calls, memory, compile_s = [], {}, {}
   for phase, fn in (("fwd", fwd), ("fwd+bwd", grad)):
+    start = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
+    compile_s[phase] = time.perf_counter() - start
     try:
       m = compiled.memory_analysis()
       memory[phase] = int(m.temp_size_in_bytes + m.output_size_in_bytes
@@ -158,13 +166,15 @@ def _jax_contender(fwd, grad, args, scratch=None):
     except Exception:  # a backend without memory analysis
       memory[phase] = None
     calls.append(lambda compiled=compiled: jax.block_until_ready(compiled(*args)))
-  return calls[0], calls[1], memory
+  return calls[0], calls[1], memory, compile_s
 
 
 # -- the contenders ------------------------------------------------------------------
 #
-# Each returns `(fwd, fwd_bwd, memory)`: two calls to time and the bytes each needs
-# (`{"fwd": .., "fwd+bwd": ..}`, None where unknown), or None when it cannot run the shape.
+# Each returns `(fwd, fwd_bwd, memory[, compile_s])`: two calls to time, the bytes each
+# needs (`{"fwd": .., "fwd+bwd": ..}`, None where unknown) and, for a contender compiled
+# ahead of its calls, the seconds each phase took to trace and compile; or None when it
+# cannot run the shape.
 
 
 def ours(shape: Shape, implementation: str):
@@ -359,6 +369,19 @@ def markdown(results: list[dict], device: str) -> str:
     mine = rows.get("ours-cudnn") or rows.get("ours-xla")
     lines.append(f"| {shape} | {mib(mine)} | " + " | ".join(mib(rows.get(p)) for p in peers) + " |")
   lines.append("")
+  # Compile times: for the contenders compiled ahead of their calls (not PyTorch).
+  compiled = [i for i in dict.fromkeys(r["impl"] for r in results)
+              if any(r.get("compile_s") is not None for r in results if r["impl"] == i)]
+  if compiled:
+    seconds = lambda r: "—" if r is None or r.get("compile_s") is None else f"{r['compile_s']:.2f}"
+    lines += ["## compile time, fwd / fwd+bwd (s)", "", f"Measure: {COMPILE_MEASURE}.", "",
+              "| shape | " + " | ".join(compiled) + " |", "|---|" + "---:|" * len(compiled)]
+    for shape in dict.fromkeys(r["shape"] for r in results):
+      rows = {(r["impl"], r["phase"]): r for r in results if r["shape"] == shape}
+      lines.append(f"| {shape} | " + " | ".join(
+          f"{seconds(rows.get((i, 'fwd')))} / {seconds(rows.get((i, 'fwd+bwd')))}"
+          for i in compiled) + " |")
+    lines.append("")
   return "\n".join(lines)
 
 
@@ -427,9 +450,12 @@ def main(argv=None) -> int:
                              else f"cpu-{os.cpu_count()}core"
                              + ("-avx512" if "avx512f" in cpu["isa"] else ""))
   only = set(args.only.split(",")) if args.only else None
+  # A first compilation pays once for what every later one reuses (the backend's
+  # start-up, JAX's own first traces): not on the first contender's account.
+  jax.jit(lambda x: jnp.tanh(x) @ x).lower(jnp.ones((2, 2))).compile()
   results = []
   for shape in grid(args.quick, gpu):
-    timed, memory = {}, {}
+    timed, memory, compile_s = {}, {}, {}
     for impl, make in contenders(shape, gpu, have_torch).items():
       if only and impl not in only:
         continue
@@ -441,13 +467,15 @@ def main(argv=None) -> int:
       if fns is not None:
         timed.update({(impl, phase): fn for phase, fn in zip(("fwd", "fwd+bwd"), fns[:2])})
         memory.update({(impl, phase): fns[2][phase] for phase in ("fwd", "fwd+bwd")})
+        compiled = fns[3] if len(fns) > 3 else {}
+        compile_s.update({(impl, phase): compiled.get(phase) for phase in ("fwd", "fwd+bwd")})
     timings = _time_interleaved(timed, repeats, args.warmup, rounds, args.lead_in)
     for (impl, phase), r in timings.items():
       if "error" in r:
         print(f"{shape.name:55s} {impl:22s} {phase}: failed: {r['error']}"[:200])
         continue
       r.update(shape=shape.name, impl=impl, phase=phase, memory_bytes=memory[impl, phase],
-               **dataclasses.asdict(shape))
+               compile_s=compile_s[impl, phase], **dataclasses.asdict(shape))
       results.append(r)
       print(f"{shape.name:55s} {impl:22s} {phase:8s} {r['median_s'] * 1e3:9.2f} ms "
             f"(iqr {r['iqr_s'] * 1e3:.2f})", flush=True)
@@ -457,7 +485,8 @@ def main(argv=None) -> int:
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
             "cpu": cpu, "versions": versions(), "quick": args.quick, "repeats": repeats,
             "warmup": args.warmup, "rounds": rounds, "lead_in": args.lead_in,
-            "memory_measure": MEMORY_MEASURE, "results": results}
+            "memory_measure": MEMORY_MEASURE, "compile_measure": COMPILE_MEASURE,
+            "results": results}
   stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
   table = markdown(results, device_name if gpu else
                    f"{device_name} ({cpu['model']}; {', '.join(cpu['isa']) or 'no AVX2'})")

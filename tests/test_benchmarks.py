@@ -75,6 +75,10 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
     assert r["median_s"] > 0 and r["repeats"] == 2 and r["shape"] == shape.name
     if impl != "torch":  # XLA's memory analysis, on any backend
       assert r["memory_bytes"] > 0, r
+      assert 0 < r["compile_s"] < 600, r
+    else:  # eager: nothing compiled ahead
+      assert r["compile_s"] is None, r
+  assert "compile" in record["compile_measure"]
   if as_gpu:  # this CPU has no CUDA: those peers are reported, and the run goes on
     assert re.search(r"jax\.experimental\.rnn\s+skipped:", printed), printed
     if _has_torch():
@@ -95,6 +99,18 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
     for k, peer in enumerate(peers):
       ratio = results[peer, phase]["median_s"] / mine
       assert float(cells[3 + 2 * k].rstrip("x")) == pytest.approx(ratio, abs=0.006)
+
+  # The compile times: a column per JAX contender (not PyTorch), "fwd / fwd+bwd" seconds.
+  section = table.split("## compile time, fwd / fwd+bwd (s)\n")[1].split("##")[0]
+  header, _, row = [line for line in section.splitlines() if line.startswith("|")][:3]
+  compiled = [c.strip() for c in header.strip("|").split("|")][1:]
+  assert set(compiled) == timed - {"torch"}, header
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  assert cells[0] == shape.name
+  for impl, cell in zip(compiled, cells[1:]):
+    fwd_s, bwd_s = (float(v) for v in cell.split(" / "))
+    assert fwd_s == pytest.approx(results[impl, "fwd"]["compile_s"], abs=0.006)
+    assert bwd_s == pytest.approx(results[impl, "fwd+bwd"]["compile_s"], abs=0.006)
 
 
 @pytest.mark.parametrize("rounds, lead_in, order", [
