@@ -37,7 +37,18 @@ B16 T256 I128 H256 52.7 -> 47.6 ms, B32 T100 I256 H256 56.8 -> 44.2 ms, the
 same with 2 bidirectional layers 240 -> 182 ms, B64 T100 I128 55.0 -> 53.4 ms.
 Compiling takes about twice as long (the unrolled steps), so sequences shorter
 than `MIN_CHUNKED_STEPS` (32), and numbers of steps with no divisor in [4, 16],
-run step by step, as the reference does.
+run step by step, as the reference does. The chunks are near 8 steps for the
+forward alone (`INFERENCE_CHUNK`) and near 4 for the forward of the derivative
+(`DERIVATIVE_CHUNK`, training): there the forward is a smaller part of the
+work, and chunks of 4 measured as fast as chunks of 8-10 in forward+backward
+(ms: LSTM B32 T100 I256 H256 2 bidirectional layers 307 vs 305, step by step
+327; GRU, same shape, 378 vs 378; LSTM B16 T256 I128 H256 106 vs 108; GRU,
+same shape, 96 vs 94; LSTM B64 T32 I128 H256 31 vs 33; the bfloat16 LSTM B16
+T256 57 vs 58), and compiled in 16-33% less time (s: the LSTM B16 T256 0.88
+-> 0.59, the 2-layer LSTM 1.60 -> 1.09, a 3-layer GRU B32 T100 1.18 -> 0.99,
+the bfloat16 LSTM B8 T32 I64 H128 0.93 -> 0.68; benchmarks/NOTES.md, session
+18). For the forward alone, 4-step chunks were 5% slower than 10-step ones
+(80.0 vs 75.8 ms, step by step 108.5, at the 2-layer LSTM shape).
 
 A bfloat16 model's forward multiplies bfloat16 operands, accumulating in
 float32 (`operand_dtype`): its weights (exact: they are stored in bfloat16),
@@ -146,17 +157,22 @@ _CELLS = {"lstm": _lstm_cell, "gru": _gru_cell, "rnn_tanh": _tanh_cell, "rnn_rel
 # Shorter sequences run step by step: there the unrolled steps' compile time
 # (about twice the step-by-step scan's) outweighs the little they save.
 MIN_CHUNKED_STEPS = 32
+# The chunk length sought: for the forward alone, and for the forward that the
+# derivative runs (with the coefficients), where shorter chunks compile faster
+# for the same speed (the module docstring).
+INFERENCE_CHUNK = 8
+DERIVATIVE_CHUNK = 4
 
 
-def chunk_steps(steps: int) -> int:
+def chunk_steps(steps: int, target: int = INFERENCE_CHUNK) -> int:
   """The steps per chunk of the forward scan: for `MIN_CHUNKED_STEPS` steps or
-  more, a divisor of `steps` in [4, 16], the nearest to 8 (the smaller on a
-  tie); else, or where there is no such divisor (a prime number of steps, say),
-  1: no chunking."""
+  more, a divisor of `steps` in [4, 16], the nearest to `target` (the smaller
+  on a tie); else, or where there is no such divisor (a prime number of steps,
+  say), 1: no chunking."""
   divisors = [k for k in range(4, 17) if steps % k == 0]
   if steps < MIN_CHUNKED_STEPS or not divisors:
     return 1
-  return min(divisors, key=lambda k: (abs(k - 8), k))
+  return min(divisors, key=lambda k: (abs(k - target), k))
 
 
 def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk):
@@ -217,7 +233,7 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients):
   _, matmul, round_ = _products(operands)
   W = None if W is None else tuple(round_(w) for w in W)
   R = tuple(round_(r) for r in R)
-  chunk = chunk_steps(xs[0].shape[0])
+  chunk = chunk_steps(xs[0].shape[0], DERIVATIVE_CHUNK if coefficients else INFERENCE_CHUNK)
   if chunk == 1:
     return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul)
   return _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk)

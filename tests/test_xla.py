@@ -129,17 +129,47 @@ def test_second_order_numerically():
 
 
 def test_chunk_steps():
-  """From 32 steps on, a divisor in [4, 16], the nearest to 8 (the smaller on a tie);
-  else 1."""
+  """From 32 steps on, a divisor in [4, 16], the nearest to the target (8 for the
+  forward alone, 4 for the derivative's forward; the smaller on a tie); else 1."""
   expected = {1: 1, 4: 1, 12: 1, 24: 1, 31: 1, 32: 8, 36: 9, 50: 10, 60: 6, 100: 10,
               101: 1, 256: 8}
   assert {t: _xla.chunk_steps(t) for t in expected} == expected
+  assert {t: _xla.chunk_steps(t, _xla.INFERENCE_CHUNK) for t in expected} == expected
+  expected = {1: 1, 31: 1, 32: 4, 36: 4, 50: 5, 60: 4, 77: 7, 100: 4, 101: 1, 256: 4}
+  assert {t: _xla.chunk_steps(t, _xla.DERIVATIVE_CHUNK) for t in expected} == expected
+
+
+def _equations(jaxpr):
+  """Every equation of a jaxpr and of the jaxprs nested in it (scans, custom_jvp)."""
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:  # a ClosedJaxpr's Jaxpr
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+          yield from _equations(sub)
+
+
+def _scan_lengths(jaxpr) -> list[int]:
+  """The trip counts of every `scan` in a jaxpr, nested ones included."""
+  return [eqn.params["length"] for eqn in _equations(jaxpr) if eqn.primitive.name == "scan"]
+
+
+def test_forward_and_derivative_chunk_lengths():
+  """The forward alone runs chunks of 8 steps (4 loop trips over 32 steps), the
+  derivative's forward chunks of 4 (8 trips) and its tangent loop step by step."""
+  spec, (x, h, c, params) = _setup(SPEC_CLASSES[0], 1, "unidirectional", "linear_input", T=32)
+  forward = jax.make_jaxpr(lambda x: _xla.rnn(spec, x, h, c, params)[0])(x)
+  assert _scan_lengths(forward) == [4]
+  grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(_xla.rnn(spec, x, h, c, params)[0])))(x)
+  assert sorted(_scan_lengths(grad)) == [8, 32], _scan_lengths(grad)
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 @pytest.mark.parametrize("direction", ["unidirectional", "bidirectional"])
 def test_chunked_forward_matches_reference(cls, direction):
-  """36 steps: four chunks of nine. One sequence ends inside the third chunk."""
+  """36 steps: four chunks of nine (the forward alone) or nine of four (the
+  derivative's forward). One sequence ends inside the third chunk of nine, the
+  sixth of four."""
   assert _xla.chunk_steps(36) == 9
   spec, args = _setup(cls, 1, direction, "linear_input", T=36, B=3)
   lengths = jnp.array([36, 22, 0], jnp.int32)
@@ -181,16 +211,11 @@ def _dots(jaxpr):
   """`(operand dtypes, result dtype)` of every product in a jaxpr and in the
   jaxprs nested in it (scans, custom_jvp): `dot_general`s, and
   `_rounded_dot`'s, whose operands are rounded to the dtype it names."""
-  for eqn in jaxpr.eqns:
+  for eqn in _equations(jaxpr):
     if eqn.primitive.name == "dot_general":
       yield [v.aval.dtype for v in eqn.invars], eqn.outvars[0].aval.dtype
     if eqn.primitive is _rounded_dot.rounded_dot_p:
       yield [eqn.params["operands"]] * 2, eqn.outvars[0].aval.dtype
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-        if hasattr(sub, "eqns"):
-          yield from _dots(sub)
 
 
 @pytest.mark.parametrize("T", [6, 32], ids=["step-by-step", "chunked"])
