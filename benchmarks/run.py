@@ -467,8 +467,8 @@ def main(argv=None) -> int:
       if fns is not None:
         timed.update({(impl, phase): fn for phase, fn in zip(("fwd", "fwd+bwd"), fns[:2])})
         memory.update({(impl, phase): fns[2][phase] for phase in ("fwd", "fwd+bwd")})
-        compiled = fns[3] if len(fns) > 3 else {}
-        compile_s.update({(impl, phase): compiled.get(phase) for phase in ("fwd", "fwd+bwd")})
+        seconds = fns[3] if len(fns) > 3 else {}  # none for an eager contender
+        compile_s.update({(impl, phase): seconds.get(phase) for phase in ("fwd", "fwd+bwd")})
     timings = _time_interleaved(timed, repeats, args.warmup, rounds, args.lead_in)
     for (impl, phase), r in timings.items():
       if "error" in r:
