@@ -367,11 +367,16 @@ def _fused(cfg: Config, x, h0, c0, params, lengths):
 
 def _fused_fwd(cfg, x, h0, c0, params, lengths):
   y, h, c, reserve = _forward(cfg, x, h0, c0, params, lengths, training=True)
-  return (y, h, c), (x, h0, c0, params, lengths, y, reserve)
+  # A zero-element cell state (no cell state) is not kept: as a residual it
+  # would be an operand of the backward's shard_map under explicit sharding,
+  # which crashes jax 0.11.2's Shardy (see `_run_fused`).
+  return (y, h, c), (x, h0, c0 if c0.size else None, params, lengths, y, reserve)
 
 
 def _fused_bwd(cfg, residuals, cotangents):
   x, h0, c0, params, lengths, y, reserve = residuals
+  if c0 is None:
+    c0 = jnp.zeros((0,), x.dtype)
   dy, dh, dc = cotangents
 
   def backward_data(y, dy, h0, dh, c0, dc, params, lengths, reserve):
@@ -458,11 +463,20 @@ def _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major):
   order = cudnn_order(spec)
   if order is not None:
     params = params[order]
-  cell = c0 if c0 is not None else jnp.zeros((0,), x.dtype)
-  y, h, c = _partition.explicit_over_batch(lambda *args: _fused(cfg, *args),
-                                           (x, h0, cell, params, lengths),
-                                           _batch_axes(cfg, "xhcwn"), _batch_axes(cfg, "xhc"))
-  return y, h, (c if c0 is not None else None)
+  if c0 is not None:
+    return _partition.explicit_over_batch(lambda *args: _fused(cfg, *args),
+                                          (x, h0, c0, params, lengths),
+                                          _batch_axes(cfg, "xhcwn"), _batch_axes(cfg, "xhc"))
+  # Without a cell state the calls take a zero-element buffer in its place,
+  # made inside the shard_map rather than passed in: a zero-element operand of
+  # a shard_map crashes jax 0.11.2's Shardy (a segfault in its
+  # ManualComputationUnusedInputsPattern, compiling the gradient under explicit
+  # sharding; tests/sharded_cases.py under jax 0.11.2, in .ci/run).
+  no_cell = lambda x: jnp.zeros((0,), x.dtype)
+  y, h = _partition.explicit_over_batch(
+      lambda x, h0, params, lengths: _fused(cfg, x, h0, no_cell(x), params, lengths)[:2],
+      (x, h0, params, lengths), _batch_axes(cfg, "xhwn"), _batch_axes(cfg, "xh"))
+  return y, h, None
 
 
 def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None, apply_dropout=False,
