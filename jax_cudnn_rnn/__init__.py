@@ -18,6 +18,10 @@ from jax_cudnn_rnn._spec import (  # noqa: E402  (after the version check)
     CudnnRNNTanh,
 )
 from jax_cudnn_rnn._dropout import keep_mask as dropout_keep_mask  # noqa: E402
+from jax_cudnn_rnn._cudnn import (  # noqa: E402
+    export_disabled_checks,
+    register_ffi_targets,
+)
 
 __all__ = [
     "CudnnGRU",
@@ -26,6 +30,8 @@ __all__ = [
     "CudnnRNNRelu",
     "CudnnRNNTanh",
     "dropout_keep_mask",
+    "export_disabled_checks",
+    "register_ffi_targets",
 ]
 
 __version__ = "0.1.0"

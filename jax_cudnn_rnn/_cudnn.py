@@ -118,6 +118,26 @@ def _registered_library():
   return lib
 
 
+def register_ffi_targets() -> None:
+  """Registers the native library's FFI targets with XLA for CUDA.
+
+  Tracing a model on the cuDNN path does this by itself; a process that only
+  runs a deserialized `jax.export` artifact holding cuDNN calls never traces
+  one, so it calls this first (`import jax_cudnn_rnn` alone does not load the
+  library). Raises `RuntimeError` where the native library is not built or does
+  not load, saying why. Needs no GPU."""
+  _registered_library()
+
+
+def export_disabled_checks() -> list:
+  """The `disabled_checks` that let `jax.export.export` serialize a model whose
+  cuDNN path is lowered (`platforms` including "cuda", concrete shapes): JAX
+  refuses custom calls it does not know to be stable, and these are this
+  library's. An artifact holding them runs with the same version of this
+  library, after `register_ffi_targets()`; the "xla" path needs neither."""
+  return [jax.export.DisabledSafetyCheck.custom_call(target) for target in TARGETS]
+
+
 def cudnn_version() -> str | None:
   """The version of the cuDNN the native library runs on (e.g. "9.14.0"), or None
   where the library is not built. Needs no GPU."""

@@ -168,7 +168,10 @@ def chunk_steps(steps: int, target: int = INFERENCE_CHUNK) -> int:
   """The steps per chunk of the forward scan: for `MIN_CHUNKED_STEPS` steps or
   more, a divisor of `steps` in [4, 16], the nearest to `target` (the smaller
   on a tie); else, or where there is no such divisor (a prime number of steps,
-  say), 1: no chunking."""
+  say), 1: no chunking. A symbolic number of steps (shape-polymorphic
+  `jax.export`) runs step by step: no chunk length divides every value."""
+  if not isinstance(steps, (int, np.integer)):
+    return 1
   divisors = [k for k in range(4, 17) if steps % k == 0]
   if steps < MIN_CHUNKED_STEPS or not divisors:
     return 1

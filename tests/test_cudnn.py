@@ -251,3 +251,42 @@ def test_bad_input_reaching_the_handler_is_an_error_not_a_crash():
   # The process is still healthy: a good call works afterwards.
   y, _ = spec(x, h, params, implementation="cudnn")
   assert np.all(np.isfinite(y))
+
+
+@needs_device
+def test_exported_cudnn_model_runs_in_a_fresh_process(tmp_path):
+  """`jax.export` with the cuDNN calls: serialized with its derivative, run here
+  and, after `register_ffi_targets()`, in a process that never traced a model."""
+  pytest.importorskip("flatbuffers")
+  import subprocess
+  import sys
+  from jax import export
+  spec = jcr.CudnnLSTM(2, 8, 5, direction="bidirectional")
+  params = spec.init_params(jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (7, 3, 5), jnp.float32)
+  run = lambda x, p: spec(x, None, None, p, is_training=True)
+  exported = export.export(jax.jit(run), platforms=("cuda",),
+                           disabled_checks=jcr.export_disabled_checks())(x, params)
+  assert _cudnn.in_compiled(exported.mlir_module())
+  blob = exported.serialize(vjp_order=1)
+  artifact = export.deserialize(blob)
+  want = run(x, params)
+  for a, b in zip(artifact.call(x, params), want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  loss = lambda f: lambda p: jnp.sum(f(x, p)[0] ** 2)
+  np.testing.assert_allclose(jax.grad(loss(artifact.call))(params), jax.grad(loss(run))(params),
+                             rtol=1e-5, atol=1e-6)
+
+  (tmp_path / "model.bin").write_bytes(blob)
+  np.save(tmp_path / "x.npy", np.asarray(x))
+  np.save(tmp_path / "params.npy", np.asarray(params))
+  script = (
+      "import sys, numpy as np, jax_cudnn_rnn as jcr\n"
+      "from jax import export\n"
+      "jcr.register_ffi_targets()\n"
+      "d = sys.argv[1]\n"
+      "artifact = export.deserialize(bytearray(open(d + '/model.bin', 'rb').read()))\n"
+      "y = artifact.call(np.load(d + '/x.npy'), np.load(d + '/params.npy'))[0]\n"
+      "np.save(d + '/y.npy', np.asarray(y))\n")
+  subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=300)
+  np.testing.assert_allclose(np.load(tmp_path / "y.npy"), want[0], rtol=1e-6, atol=1e-6)

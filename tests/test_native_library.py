@@ -8,6 +8,7 @@ output) or in the installed package; skipped only when neither exists.
 
 import ctypes
 import dataclasses
+import functools
 import importlib.metadata
 import re
 
@@ -35,6 +36,20 @@ def test_library_reports_the_cudnn_it_loaded():
   lib.JcrCudnnVersion.restype = ctypes.c_size_t
   v = int(lib.JcrCudnnVersion())
   assert (v // 10000, v // 100 % 100) == tuple(int(n) for n in wheel.split(".")[:2]), (v, wheel)
+
+
+def test_register_ffi_targets_registers_the_built_library(monkeypatch):
+  """`jcr.register_ffi_targets()` hands XLA every handler of the library (for
+  CUDA: on this CPU the registration is accepted, not used); the fresh-process
+  run of an exported model on a GPU is `test_cudnn.py`'s."""
+  lib = _loaded_library()
+  monkeypatch.setattr(_cudnn, "_load", lambda: (lib, ""))
+  monkeypatch.setattr(_cudnn, "_registered_library",
+                      functools.lru_cache(_cudnn._registered_library.__wrapped__))
+  jcr.register_ffi_targets()
+  assert _cudnn._registered_library.cache_info().misses == 1
+  jcr.register_ffi_targets()  # once only
+  assert _cudnn._registered_library.cache_info().hits == 1
 
 
 # -- the handlers' attribute decoding and input checks, run on the CPU ------------

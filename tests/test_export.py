@@ -1,0 +1,181 @@
+"""`jax.export`: models serialized, deserialized and run again, with concrete
+and symbolic (shape-polymorphic) shapes, their gradients through the artifact,
+and the cuDNN path's part (its custom calls in an export for CUDA, the checks
+to disable, symbolic shapes taking the "xla" path) lowered for a CUDA device
+this machine lacks, with the handler model's sizes (`handler_model.py`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import _cudnn, _xla
+from jax_cudnn_rnn import linen as jcr_linen
+from handler_model import HandlerModel
+from helpers import SPEC_CLASSES, call, random_inputs
+
+pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
+
+
+def _round_trip(fun, *arg_specs, **options):
+  """`fun` exported for `arg_specs`, serialized with its first derivative and
+  deserialized: what a serving process gets."""
+  exported = export.export(jax.jit(fun), **options)(*arg_specs)
+  return export.deserialize(exported.serialize(vjp_order=1))
+
+
+def _max_error(got, want):
+  return max(float(jnp.max(jnp.abs(a - b))) for a, b in
+             zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES, ids=lambda c: c.__name__)
+def test_concrete_shapes_round_trip_values_and_gradients(cls):
+  spec = cls(num_layers=2, num_units=6, input_size=3, direction="bidirectional")
+  x, h, c = (None if a is None else jnp.asarray(a) for a in random_inputs(spec, 40, 3, seed=5))
+  params = spec.init_params(jax.random.key(1))
+
+  def run(x, h, c, params):
+    return call(spec, x, h, c, params, is_training=True, implementation="xla")
+
+  artifact = _round_trip(run, x, h, c, params)
+  np.testing.assert_allclose(np.concatenate([np.ravel(a) for a in artifact.call(x, h, c, params)
+                                             if a is not None]),
+                             np.concatenate([np.ravel(a) for a in run(x, h, c, params)
+                                             if a is not None]), rtol=1e-6, atol=1e-6)
+
+  def loss(call_):
+    return lambda x, params: sum(jnp.sum(jnp.sin(a)) for a in call_(x, h, c, params)
+                                 if a is not None)
+
+  got = jax.grad(loss(artifact.call), argnums=(0, 1))(x, params)
+  want = jax.grad(loss(run), argnums=(0, 1))(x, params)
+  assert _max_error(got, want) < 1e-5
+  assert float(jnp.max(jnp.abs(got[1]))) > 1e-3  # the gradient is not trivially zero
+
+
+def test_symbolic_batch_and_time_with_lengths_and_dropout():
+  """One artifact for every batch size and length: a 3-layer bidirectional GRU,
+  batch-major, with sequence lengths and inter-layer dropout, called at shapes
+  where the direct call runs chunks (T = 40) and where it runs step by step."""
+  gru = jcr.CudnnGRU(num_layers=3, num_units=8, input_size=4, direction="bidirectional",
+                     dropout=0.3)
+  params = gru.init_params(jax.random.key(0))
+  key = jax.random.key(7)
+
+  def run(x, params, lengths, implementation=None):
+    return gru(x, None, params, is_training=True, seq_lengths=lengths, dropout_key=key,
+               time_major=False, implementation=implementation)
+
+  b, t = export.symbolic_shape("b, t")
+  # implementation=None: the "xla" path under symbolic shapes, on every platform.
+  artifact = _round_trip(run, jax.ShapeDtypeStruct((b, t, 4), jnp.float32), params,
+                         jax.ShapeDtypeStruct((b,), jnp.int32))
+  direct = lambda x, params, lengths: run(x, params, lengths, "xla")
+  assert _xla.chunk_steps(40) > 1  # the direct call at T = 40 is chunked, the artifact is not
+  for batch, steps, lengths in [(3, 40, [40, 5, 0]), (5, 7, [7, 1, 3, 7, 2])]:
+    x = jax.random.normal(jax.random.key(steps), (batch, steps, 4), jnp.float32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    got, want = artifact.call(x, params, lengths), direct(x, params, lengths)
+    assert got[0].shape == (batch, steps, 16) and got[1].shape == (6, batch, 8)
+    assert _max_error(got, want) < 1e-5
+    assert float(jnp.max(jnp.abs(got[0][1, 5:]))) == 0.0  # past its length: zeros
+
+    loss = lambda call_: lambda x, params: jnp.sum(call_(x, params, lengths)[0] ** 2)
+    got = jax.grad(loss(artifact.call), argnums=(0, 1))(x, params)
+    want = jax.grad(loss(direct), argnums=(0, 1))(x, params)
+    assert _max_error(got, want) < 1e-4
+
+
+def test_chunk_steps_of_a_symbolic_length_is_one():
+  (t,) = export.symbolic_shape("t")
+  assert _xla.chunk_steps(t) == 1
+  assert _xla.chunk_steps(t, _xla.DERIVATIVE_CHUNK) == 1
+
+
+def test_linen_module_with_symbolic_batch_and_time():
+  model = jcr_linen.LSTM(features=8, num_layers=2, bidirectional=True)
+  x = jax.random.normal(jax.random.key(1), (3, 37, 4), jnp.float32)
+  variables = model.init(jax.random.key(0), x)
+  b, t = export.symbolic_shape("b, t")
+  artifact = _round_trip(lambda variables, x: model.apply(variables, x), variables,
+                         jax.ShapeDtypeStruct((b, t, 4), jnp.float32))
+  xla = jcr_linen.LSTM(features=8, num_layers=2, bidirectional=True, implementation="xla")
+  apply = lambda variables, x: xla.apply(variables, x)
+  for shape in [(3, 37, 4), (1, 2, 4)]:
+    x = jax.random.normal(jax.random.key(2), shape, jnp.float32)
+    y = artifact.call(variables, x)
+    assert y.shape == shape[:2] + (16,)
+    np.testing.assert_allclose(y, apply(variables, x), rtol=1e-6, atol=1e-6)
+
+
+# -- the cuDNN path, lowered for CUDA on this machine (the handler model's sizes) --------
+
+
+@pytest.fixture
+def sizes(monkeypatch):
+  """cuDNN said to be available, with the model's sizes; the FFI calls are
+  lowered, not run."""
+  return HandlerModel().install(monkeypatch.setattr, handlers=False)
+
+
+def _lstm():
+  spec = jcr.CudnnLSTM(num_layers=2, num_units=6, input_size=3, direction="bidirectional")
+  return spec, spec.init_params(jax.random.key(2))
+
+
+def test_export_for_cuda_and_cpu_holds_the_cudnn_calls_and_runs_on_cpu(sizes):
+  spec, params = _lstm()
+  x = jax.random.normal(jax.random.key(3), (12, 2, 3), jnp.float32)
+  run = lambda x, params: spec(x, None, None, params, is_training=False)
+  with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
+    export.export(jax.jit(run), platforms=("cpu", "cuda"))(x, params)
+
+  exported = export.export(jax.jit(run), platforms=("cpu", "cuda"),
+                           disabled_checks=jcr.export_disabled_checks())(x, params)
+  assert _cudnn.in_compiled(exported.mlir_module())
+  artifact = export.deserialize(exported.serialize())
+  assert artifact.platforms == ("cpu", "cuda")
+  # On the CPU the artifact runs its "xla" branch.
+  x, params = jax.device_put((x, params), jax.devices("cpu")[0])
+  want = spec(x, None, None, params, is_training=False, implementation="xla")
+  assert _max_error(artifact.call(x, params), want) < 1e-6
+
+
+def test_export_disabled_checks_name_every_target():
+  checks = jcr.export_disabled_checks()
+  assert len(checks) == len(_cudnn.TARGETS)
+  assert checks == [export.DisabledSafetyCheck.custom_call(t) for t in _cudnn.TARGETS]
+
+
+def test_symbolic_shapes_take_the_xla_path_and_cudnn_refuses_them(sizes):
+  spec, params = _lstm()
+  t, b = export.symbolic_shape("t, b")
+  x = jax.ShapeDtypeStruct((t, b, 3), jnp.float32)
+  auto = lambda x, params: spec(x, None, None, params, is_training=True)
+  exported = export.export(jax.jit(auto), platforms=("cuda",))(x, params)
+  assert not _cudnn.in_compiled(exported.mlir_module())
+
+  cudnn = lambda x, params: spec(x, None, None, params, implementation="cudnn")
+  with pytest.raises(ValueError, match=r"implementation='cudnn' needs concrete shapes, got "
+                                       r"input_data with the symbolic shape \(t, b, 3\)"):
+    export.export(jax.jit(cudnn), platforms=("cuda",))(x, params)
+  # With concrete shapes the same export holds the cuDNN calls.
+  exported = export.export(jax.jit(auto), platforms=("cuda",),
+                           disabled_checks=jcr.export_disabled_checks())(
+      jax.ShapeDtypeStruct((5, 2, 3), jnp.float32), params)
+  assert _cudnn.in_compiled(exported.mlir_module())
+
+
+def test_register_ffi_targets():
+  library, why = _cudnn._load()
+  if library is None:
+    with pytest.raises(RuntimeError, match="native library"):
+      jcr.register_ffi_targets()
+    assert why
+  else:
+    jcr.register_ffi_targets()
+    jcr.register_ffi_targets()  # idempotent
