@@ -485,19 +485,20 @@ def main(argv=None) -> int:
             f"(iqr {r['iqr_s'] * 1e3:.2f})", flush=True)
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  stem = out_dir / f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
+  # Names built whole, not with `with_suffix`: a machine name may hold a dot ("jax0.12").
+  stem = f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
             "cpu": cpu, "versions": versions(), "quick": args.quick, "repeats": repeats,
             "warmup": args.warmup, "rounds": rounds, "lead_in": args.lead_in,
             "memory_measure": MEMORY_MEASURE, "compile_measure": COMPILE_MEASURE,
             "results": results}
-  stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+  (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=1))
   table = markdown(results, device_name if gpu else
                    f"{device_name} ({cpu['model']}; {', '.join(cpu['isa']) or 'no AVX2'})")
-  stem.with_suffix(".md").write_text(table)
-  plot(results, stem.with_suffix(".png"), device_name)
+  (out_dir / f"{stem}.md").write_text(table)
+  plotted = plot(results, out_dir / f"{stem}.png", device_name)
   print("\n" + table)
-  print(f"wrote {stem}.json/.md/.png")
+  print(f"wrote {out_dir / stem}.json/.md{'/.png' if plotted else ''}")
   return 0
 
 

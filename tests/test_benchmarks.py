@@ -44,11 +44,17 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   if as_gpu:
     HandlerModel().install(monkeypatch.setattr)
   assert run.main(["--quick", "--repeats", "2", "--warmup", "1",
-                   "--out-dir", str(tmp_path), "--machine", "test"]) == 0
+                   "--out-dir", str(tmp_path), "--machine", "test-v0.1"]) == 0
   printed = capsys.readouterr().out
 
-  record = json.loads(next(tmp_path.glob("test-*-quick.json")).read_text())
-  assert record["machine"] == "test" and record["repeats"] == 2
+  # A dot in the machine's name stays in the files' names (not taken for a suffix).
+  written = sorted(p.name for p in tmp_path.iterdir())
+  has_plot = importlib.util.find_spec("matplotlib") is not None
+  stem = re.fullmatch(r"(test-v0\.1-\d{4}-\d\d-\d\d-quick)\.json", written[0])
+  assert stem, written
+  assert written == [f"{stem[1]}.{ext}" for ext in ("json", "md", "png")[:3 if has_plot else 2]]
+  record = json.loads((tmp_path / written[0]).read_text())
+  assert record["machine"] == "test-v0.1" and record["repeats"] == 2
   assert record["rounds"] == 2  # by default one timing per contender per round
   assert record["lead_in"] == 1  # each led in by an untimed call of its own
   assert {"jax", "numpy", "cudnn"} <= set(record["versions"])
@@ -86,7 +92,7 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
 
   # The table: against ours-cudnn on a GPU, ours-xla elsewhere; ours-xla is
   # then no peer.
-  table = next(tmp_path.glob("test-*-quick.md")).read_text()
+  table = (tmp_path / written[1]).read_text()
   peers = sorted(timed - {"ours-xla", "ours-cudnn"})
   for phase in ("fwd", "fwd+bwd"):
     section = table.split(f"## {phase}\n")[1].split("##")[0]
