@@ -23,6 +23,9 @@ wraps them in a `custom_vjp` whose residual is cuDNN's reserve space.
   a batch-sharded input, under explicit sharding (`shard_map`) and auto
   sharding (`custom_partitioning`); the reserve space is `[batch, row_bytes]`
   so that it can be split too.
+- Symbolic shapes (a shape-polymorphic `jax.export`): only the inference call
+  runs (its sizes are read when it runs; a query asks for one step and one
+  sequence, `_query_dims`); a derivative there is decided in `_symbolic`.
 - `vmap`: inference with shared weights folds the vmapped axis into cuDNN's
   batch (one call, `_inference`); everything else is one call per element.
 - Reverse mode only: cuDNN has no forward-mode derivative, and JAX refuses
@@ -247,6 +250,19 @@ def query_sizes(cfg: Config, dtype: np.dtype, steps: int, batch: int) -> dict:
               reserve_space=out[3])
 
 
+def _is_concrete(dim) -> bool:
+  """Whether a dimension is a number, not symbolic (shape-polymorphic `jax.export`)."""
+  return isinstance(dim, (int, np.integer))
+
+
+def _query_dims(steps, batch) -> tuple[int, int]:
+  """`(steps, batch)` for a size query: a symbolic dimension is asked as 1.
+  Only the inference call runs under symbolic shapes (`_symbolic`), and what
+  it takes from a query (cuDNN's support of the configuration, its weight-space
+  size) does not depend on either."""
+  return tuple(d if _is_concrete(d) else 1 for d in (steps, batch))
+
+
 def supports(spec, steps: int, batch: int, time_major: bool) -> tuple[bool, str]:
   """Whether this cuDNN can run `spec` at this size: `(True, "")`, or `(False,
   why)`. It cannot where it rejects the configuration (a cuDNN may lack a data
@@ -255,7 +271,7 @@ def supports(spec, steps: int, batch: int, time_major: bool) -> tuple[bool, str]
   that `implementation=None` then runs the XLA path rather than failing."""
   cfg = Config.of(spec, time_major, has_seq_lengths=False)
   try:
-    sizes = query_sizes(cfg, spec.dtype, steps, batch)
+    sizes = query_sizes(cfg, spec.dtype, *_query_dims(steps, batch))
   except ValueError as e:
     return False, str(e)
   expected = _layout.params_size(spec) * spec.dtype.itemsize
@@ -317,13 +333,16 @@ def _batch_axes(cfg: Config, arrays: str) -> tuple:
 def _forward(cfg: Config, x, h0, c0, params, lengths, training: bool):
   steps, batch = _steps_batch(cfg, x)
   dtype = np.dtype(x.dtype)
-  sizes = query_sizes(cfg, dtype, steps, batch)
+  sizes = query_sizes(cfg, dtype, *_query_dims(steps, batch))
   if sizes["weight_space"] != params.size * params.dtype.itemsize:
     raise ValueError(f"params has {params.size * params.dtype.itemsize} bytes but cuDNN's "
                      f"weight space for {cfg} has {sizes['weight_space']}: the analytic "
                      "layout in _layout.py disagrees with this cuDNN version")
   if not training:
     return (*_inference(cfg)(x, h0, c0, params, lengths), None)
+  if not (_is_concrete(steps) and _is_concrete(batch)):  # `_symbolic` keeps training away
+    raise ValueError(f"cuDNN's training call needs concrete shapes, got steps {steps} and "
+                     f"batch {batch}")
   row_bytes = _partition.reserve_row_bytes(
       lambda rows: query_sizes(cfg, dtype, steps, rows)["reserve_space"], batch)
 

@@ -10,10 +10,10 @@ NumPy array or list closed over): a length outside `[0, T]` raises
 `[0, T]` on every backend, so both give the same answer (a length of 0 leaves
 the initial state as the final state and an all-zero output).
 
-Under symbolic shapes (a shape-polymorphic `jax.export`), `implementation=None`
-runs the "xla" path on every platform and `"cudnn"` raises: the cuDNN path sizes
-its calls (the reserve space, cuDNN's support of the configuration) at trace
-time. With concrete shapes, an export for CUDA holds the cuDNN calls
+Under symbolic shapes (a shape-polymorphic `jax.export`), the cuDNN path runs
+cuDNN's inference call, whose sizes are read when it runs; a derivative there
+is the "xla" path's under `implementation=None` and an error under "cudnn"
+(`_symbolic`). An export for CUDA holds the cuDNN calls
 (`_cudnn.export_disabled_checks`, `_cudnn.register_ffi_targets`).
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_cudnn_rnn import _cudnn, _params, _partition, _xla
+from jax_cudnn_rnn import _cudnn, _params, _partition, _symbolic, _xla
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 
@@ -148,22 +148,17 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     dropout_key = _check_key(dropout_key)
 
   backend = resolve_implementation(implementation)
-  if any(jax.export.is_symbolic_dim(d) for d in x.shape):
-    # Shape-polymorphic jax.export: the cuDNN path sizes its calls (the
-    # reserve space, cuDNN's support of the configuration) at trace time.
-    if backend == "cudnn":
-      raise ValueError(
-          f"implementation='cudnn' needs concrete shapes, got input_data with the symbolic "
-          f"shape {tuple(x.shape)} (a shape-polymorphic jax.export): cuDNN's reserve space is "
-          "sized at trace time. Export with concrete shapes, or use implementation=None, which "
-          "runs the 'xla' path under symbolic shapes")
-    backend = "xla"
   if backend == "auto" and not _cudnn.supports(spec, steps, batch, bool(time_major))[0]:
     backend = "xla"  # e.g. a data type this cuDNN lacks: None means "the best that runs"
   options = dict(seq_lengths=lengths, dropout_key=dropout_key, apply_dropout=apply_dropout,
                  time_major=bool(time_major))
   xla = lambda *a: _xla.rnn(spec, *a, **options)
-  cudnn = lambda *a: _cudnn.rnn(spec, *a, **options)
+  if any(jax.export.is_symbolic_dim(d) for d in x.shape):
+    # Shape-polymorphic jax.export: cuDNN's values, another derivative (_symbolic).
+    derivative = None if backend == "cudnn" else _xla.rnn
+    cudnn = lambda *a: _symbolic.rnn(spec, *a, derivative=derivative, **options)
+  else:
+    cudnn = lambda *a: _cudnn.rnn(spec, *a, **options)
   if backend == "xla":
     y, h, c = xla(x, h0, c0, params)
   elif backend == "cudnn":

@@ -18,7 +18,9 @@ modes, and each needs its own mechanism:
   results (`psum`) over the batch's mesh axes.
 
 A batch that the mesh does not divide evenly is not split (XLA would pad it
-with rows that are not the user's), and on a single device nothing is wrapped.
+with rows that are not the user's), nor is a symbolic batch (a shape-polymorphic
+`jax.export`, whose divisibility is unknown), and on a single device nothing is
+wrapped.
 
 cuDNN's reserve space is the one buffer whose size is not proportional to the
 batch, yet the partitioner needs every result's global shape before it knows
@@ -66,7 +68,7 @@ def _split(mesh_shape, entry, batch: int):
   where the split would be uneven."""
   axes = _mesh_axes(entry)
   parts = math.prod(mesh_shape[a] for a in axes)
-  if not axes or batch % parts:
+  if not axes or not isinstance(batch, int) or batch % parts:
     return None, ()
   return entry, axes
 
@@ -125,7 +127,7 @@ def explicit_over_batch(fn, operands, in_axes: Axes, out_axes: Axes):
   lead = _lead(in_axes)
   x, axis = operands[lead], in_axes[lead]
   explicit = _explicit(x)
-  if explicit is None:
+  if explicit is None or not isinstance(x.shape[axis], int):
     return fn(*operands)
   mesh, spec = explicit
   entry, _ = _split(dict(mesh.shape), _entry(spec, axis), x.shape[axis])
@@ -205,12 +207,12 @@ def over_batch(fn, operands, in_axes: Axes, out_axes: Axes, *, summed: bool = Fa
   they must not depend on the batch at all. Under `vmap`, one call per element
   (`custom_partitioning` has no batching rule).
   """
-  if jax.device_count() == 1:
+  lead = _lead(in_axes)
+  batch = operands[lead].shape[in_axes[lead]]
+  if jax.device_count() == 1 or not isinstance(batch, int):
     return tuple(fn(*operands))
   outs = jax.eval_shape(fn, *operands)
   rule, others = _rule(operands, in_axes, outs, out_axes)
-  lead = _lead(in_axes)
-  batch = operands[lead].shape[in_axes[lead]]
 
   def partition(mesh, arg_shapes, result_shapes):
     sharding = arg_shapes[lead].sharding

@@ -106,6 +106,9 @@ class HandlerModel:
     self.x_shapes = []  # the first operand's shape, per traced call
 
   def query_sizes(self, cfg, dtype, steps, batch):
+    # The native query takes C integers: a symbolic dimension must not reach it.
+    assert isinstance(steps, (int, np.integer)) and isinstance(batch, (int, np.integer)), (
+        steps, batch)
     spec = spec_of(cfg, dtype)
     x_shape = (batch, steps, cfg.input_size) if cfg.batch_major else (steps, batch, cfg.input_size)
     return dict(weight_space=_layout.params_size(spec) * np.dtype(dtype).itemsize,

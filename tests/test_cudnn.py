@@ -290,3 +290,33 @@ def test_exported_cudnn_model_runs_in_a_fresh_process(tmp_path):
       "np.save(d + '/y.npy', np.asarray(y))\n")
   subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=300)
   np.testing.assert_allclose(np.load(tmp_path / "y.npy"), want[0], rtol=1e-6, atol=1e-6)
+
+
+@needs_device
+def test_symbolic_shapes_export_runs_cudnn_inference_with_xla_gradients():
+  """A shape-polymorphic export: cuDNN's inference call, refined to each
+  caller's shapes, gives the "xla" path's values; the derivative is the "xla"
+  path's (`_symbolic`)."""
+  pytest.importorskip("flatbuffers")
+  from jax import export
+  spec = jcr.CudnnGRU(2, 8, 5, direction="bidirectional")
+  params = spec.init_params(jax.random.key(0))
+  run = lambda x, p, impl=None: spec(x, None, p, is_training=False, time_major=False,
+                                     implementation=impl)
+  b, t = export.symbolic_shape("b, t")
+  with jax.default_matmul_precision("highest"):
+    exported = export.export(jax.jit(run), platforms=("cuda",),
+                             disabled_checks=jcr.export_disabled_checks())(
+        jax.ShapeDtypeStruct((b, t, 5), jnp.float32), params)
+    assert _cudnn.in_compiled(exported.mlir_module())
+    artifact = export.deserialize(exported.serialize(vjp_order=1))
+    for shape in [(3, 7, 5), (9, 40, 5)]:
+      x = jax.random.normal(jax.random.key(shape[1]), shape, jnp.float32)
+      assert _cudnn.in_compiled(jax.jit(artifact.call).lower(x, params).compile())
+      got, want = artifact.call(x, params), run(x, params, "xla")
+      for a, w in zip(got, want):
+        assert a.shape == w.shape
+        assert _rel_err(a, w) < TOLERANCE[jnp.float32]
+      loss = lambda f: lambda p: jnp.sum(jnp.sin(f(x, p)[0]))
+      assert _rel_err(jax.grad(loss(artifact.call))(params),
+                      jax.grad(loss(lambda x, p: run(x, p, "xla")))(params)) < 1e-5
