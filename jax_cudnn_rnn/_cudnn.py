@@ -250,17 +250,12 @@ def query_sizes(cfg: Config, dtype: np.dtype, steps: int, batch: int) -> dict:
               reserve_space=out[3])
 
 
-def _is_concrete(dim) -> bool:
-  """Whether a dimension is a number, not symbolic (shape-polymorphic `jax.export`)."""
-  return isinstance(dim, (int, np.integer))
-
-
 def _query_dims(steps, batch) -> tuple[int, int]:
   """`(steps, batch)` for a size query: a symbolic dimension is asked as 1.
   Only the inference call runs under symbolic shapes (`_symbolic`), and what
   it takes from a query (cuDNN's support of the configuration, its weight-space
   size) does not depend on either."""
-  return tuple(d if _is_concrete(d) else 1 for d in (steps, batch))
+  return tuple(1 if jax.export.is_symbolic_dim(d) else d for d in (steps, batch))
 
 
 def supports(spec, steps: int, batch: int, time_major: bool) -> tuple[bool, str]:
@@ -340,7 +335,7 @@ def _forward(cfg: Config, x, h0, c0, params, lengths, training: bool):
                      "layout in _layout.py disagrees with this cuDNN version")
   if not training:
     return (*_inference(cfg)(x, h0, c0, params, lengths), None)
-  if not (_is_concrete(steps) and _is_concrete(batch)):  # `_symbolic` keeps training away
+  if any(jax.export.is_symbolic_dim(d) for d in (steps, batch)):  # `_symbolic` keeps it away
     raise ValueError(f"cuDNN's training call needs concrete shapes, got steps {steps} and "
                      f"batch {batch}")
   row_bytes = _partition.reserve_row_bytes(

@@ -68,7 +68,7 @@ def _split(mesh_shape, entry, batch: int):
   where the split would be uneven."""
   axes = _mesh_axes(entry)
   parts = math.prod(mesh_shape[a] for a in axes)
-  if not axes or not isinstance(batch, int) or batch % parts:
+  if not axes or batch % parts:
     return None, ()
   return entry, axes
 
@@ -127,7 +127,7 @@ def explicit_over_batch(fn, operands, in_axes: Axes, out_axes: Axes):
   lead = _lead(in_axes)
   x, axis = operands[lead], in_axes[lead]
   explicit = _explicit(x)
-  if explicit is None or not isinstance(x.shape[axis], int):
+  if explicit is None or jax.export.is_symbolic_dim(x.shape[axis]):
     return fn(*operands)
   mesh, spec = explicit
   entry, _ = _split(dict(mesh.shape), _entry(spec, axis), x.shape[axis])
@@ -209,7 +209,7 @@ def over_batch(fn, operands, in_axes: Axes, out_axes: Axes, *, summed: bool = Fa
   """
   lead = _lead(in_axes)
   batch = operands[lead].shape[in_axes[lead]]
-  if jax.device_count() == 1 or not isinstance(batch, int):
+  if jax.device_count() == 1 or jax.export.is_symbolic_dim(batch):
     return tuple(fn(*operands))
   outs = jax.eval_shape(fn, *operands)
   rule, others = _rule(operands, in_axes, outs, out_axes)
