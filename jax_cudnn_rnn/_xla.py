@@ -227,15 +227,33 @@ def _products(operands):
           lambda w: w.astype(operands))
 
 
+def _reads_opaque_orientation(x: jax.Array) -> bool:
+  """Whether the forward over `x [T, B, .]` multiplies by the weights in the
+  opaque buffer's orientation rather than transposed: for one step (each
+  matrix meets one product, cheaper than its transpose) or one sequence (the
+  per-step products are matrix-vector ones, as fast either way). A symbolic
+  size counts as more than one."""
+  return any(not jax.export.is_symbolic_dim(n) and n == 1 for n in x.shape[:2])
+
+
 def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients):
   """The forward recurrence over this file's cells (`_reference.forward_scan`
   or, where the number of steps allows, `_chunked_scan`); `res` holds the
   coefficients stacked over time when `coefficients`, else empty tuples.
   `operands`: `operand_dtype` of the model."""
   cell = functools.partial(_CELLS[mode], coefficients=coefficients)
-  _, matmul, round_ = _products(operands)
+  dot_general, matmul, round_ = _products(operands)
   W = None if W is None else tuple(round_(w) for w in W)
   R = tuple(round_(r) for r in R)
+  if _reads_opaque_orientation(xs[0]):
+    # Back to the opaque buffer's `[g*H, .]` blocks (XLA cancels the two
+    # transposes), each product contracting their trailing axis.
+    W = None if W is None else tuple(w.T for w in W)
+    R = tuple(r.T for r in R)
+    matmul = lambda a, w: dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())))
+  # Pins the prepared weights and biases, so that XLA hoists their slicing
+  # (and transposes) out of a loop around this call (the module docstring).
+  W, R, bW, bR = jax.lax.optimization_barrier((W, R, bW, bR))
   chunk = chunk_steps(xs[0].shape[0], DERIVATIVE_CHUNK if coefficients else INFERENCE_CHUNK)
   if chunk == 1:
     return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul)

@@ -11,6 +11,7 @@ gradients, forward mode and `vmap` (`test_rounded_dot.py` holds the product
 itself against a hand-rounded one).
 """
 
+import functools
 import itertools
 
 import jax
@@ -202,6 +203,75 @@ def test_float32_gradients_match_reference():
   g_ref = jax.grad(_loss(_reference.rnn, spec, None), argnums=(0, 3))(*args)
   for a, b in zip(g_fast, g_ref):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+# -- one step or one sequence: the weights in the opaque orientation; loops around a call --
+
+
+@pytest.mark.parametrize("T,B", [(1, 3), (6, 1), (32, 1), (1, 1)],
+                         ids=["one-step", "one-sequence", "one-sequence-chunked", "both"])
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_one_step_or_one_sequence_matches_reference(cls, T, B):
+  """One step (decoding) or one sequence: the forward multiplies by the opaque
+  buffer's blocks as they lie (`_reads_opaque_orientation`) instead of
+  transposed. Values, gradients, JVPs, two bidirectional layers, with lengths."""
+  assert _xla._reads_opaque_orientation(jnp.zeros((T, B, 1)))
+  spec, args = _setup(cls, 2, "bidirectional", "linear_input", T=T, B=B)
+  lengths = jnp.array([T, 0, 1][:B], jnp.int32)
+  for seq_lengths in (None, lengths):
+    for a, b in zip(jax.jit(lambda *a: _xla.rnn(spec, *a, seq_lengths=seq_lengths))(*args),
+                    jax.jit(lambda *a: _reference.rnn(spec, *a, seq_lengths=seq_lengths))(*args)):
+      if b is not None:
+        _assert_close(a, b)
+  _compare(spec, args, lengths, tuple(i for i, a in enumerate(args) if a is not None))
+
+
+def test_opaque_orientation_only_for_one_step_or_one_sequence():
+  reads = lambda *shape: _xla._reads_opaque_orientation(jax.ShapeDtypeStruct(shape, jnp.float32))
+  assert reads(1, 8, 4) and reads(7, 1, 4) and reads(1, 1, 4)
+  assert not reads(2, 2, 4) and not reads(32, 8, 4)
+  t, b = jax.export.symbolic_shape("t, b")
+  assert not reads(t, b, 4) and reads(1, b, 4) and reads(t, 1, 4)
+
+
+def _loop_states(hlo: str) -> list[str]:
+  """The state shapes of every `while` loop in compiled HLO text."""
+  return [line.split("=", 1)[1].split(" while(")[0] for line in hlo.splitlines()
+          if " while(" in line]
+
+
+@pytest.mark.parametrize("T,B", [(1, 4), (1, 1), (8, 4)],
+                         ids=["one-step", "one-step-one-sequence", "eight-steps"])
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_weights_prepared_once_in_a_loop_around_the_call(cls, T, B):
+  """Decoding a step at a time in a jitted loop: XLA hoists the slicing (and
+  transposing) of the weights and biases out of the loop, because the forward
+  pins them behind an `optimization_barrier`; the loop then never carries the
+  opaque buffer. Without the barrier it sliced them out of it on every trip
+  (decoding 64 steps of an LSTM, B8 H256: 11.2 ms, Flax 4.6; B1: 26.4 ms,
+  Flax 2.5; benchmarks/NOTES.md, session 22). The decoded values match the
+  reference's."""
+  spec = cls(2, 16, 16, dtype=jnp.float32)
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = random_inputs(spec, T, B)
+  x, h = jnp.asarray(x, jnp.float32), jnp.asarray(h, jnp.float32)
+  c = None if c is None else jnp.asarray(c, jnp.float32)
+
+  def decode(impl, params, x, h, c):
+    def body(carry, _):
+      x, h, c = carry
+      y, h, c = impl(spec, x, h, c, params)
+      return (jnp.tanh(y), h, c), y[-1]
+    return jax.lax.scan(body, (x, h, c), None, length=5)[1]
+
+  fast = jax.jit(functools.partial(decode, _xla.rnn))
+  np.testing.assert_allclose(fast(params, x, h, c),
+                             jax.jit(functools.partial(decode, _reference.rnn))(params, x, h, c),
+                             rtol=1e-5, atol=1e-5)
+  states = _loop_states(fast.lower(params, x, h, c).compile().as_text())
+  assert states, "no loop in the compiled decoder"
+  buffer = f"f32[{spec.params_size()}]"
+  assert not any(buffer in s for s in states), (buffer, states)
 
 
 # -- bfloat16: the matmuls take bfloat16 operands ------------------------------------

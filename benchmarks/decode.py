@@ -1,0 +1,262 @@
+"""Decoding one step at a time, as a language model samples: ours against the peers.
+
+    python benchmarks/decode.py               # a few minutes on a 2-core CPU
+    python benchmarks/decode.py --quick
+
+`run.py` times whole sequences; this times the other way an RNN runs, one
+step per call with the state carried between calls, in the two patterns a
+JAX user writes:
+- "loop": `--steps` one-step calls inside one jitted `jax.lax.scan` (the fast
+  way to decode in JAX; XLA compiles the whole loop). Ours ("xla", and
+  "cudnn" on a GPU) and Flax's cells (`OptimizedLSTMCell` / `GRUCell`, one
+  per layer, applied once a step).
+- "step": one jitted one-step call made from Python per token (a sampling
+  loop in Python, as `jax_cudnn_rnn.demo` does): ours, Flax's cells, and
+  PyTorch's `nn.LSTM` / `nn.GRU` given a one-step input (eager, `no_grad`).
+Every step feeds the next: its input is `tanh(y @ P)` of the last output (a
+fixed projection standing in for embedding a sampled token). Figures are per
+token (a loop's time divided by its steps), medians over round-robin rounds
+(`run._time_interleaved`), float32.
+
+Writes `<out-dir>/decode-<machine>-<date>.json` (every figure, the versions,
+the device) and `.md` (ratios of each peer's time to ours: > 1 means we are
+faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import run as grid_run  # noqa: E402  (benchmarks/run.py: timing, versions, CPU description)
+
+import jax_cudnn_rnn as jcr  # noqa: E402
+from jax_cudnn_rnn import _cudnn  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  mode: str  # "lstm" | "gru"
+  batch: int
+  input_size: int
+  hidden: int
+  layers: int
+
+  @property
+  def name(self) -> str:
+    return f"{self.mode} B{self.batch} I{self.input_size} H{self.hidden} L{self.layers}"
+
+  def spec(self):
+    cls = jcr.CudnnLSTM if self.mode == "lstm" else jcr.CudnnGRU
+    return cls(self.layers, self.hidden, self.input_size)
+
+
+def shapes(quick: bool) -> list[Shape]:
+  if quick:
+    return [Shape("lstm", 1, 64, 128, 1), Shape("lstm", 8, 64, 128, 1)]
+  out = []
+  for mode in ("lstm", "gru"):
+    out += [Shape(mode, 1, 64, 128, 1),    # one sequence: a chat-style sampler
+            Shape(mode, 8, 64, 128, 1),    # a small batch of samples
+            Shape(mode, 1, 256, 256, 2),   # a deeper model, one sequence
+            Shape(mode, 8, 256, 256, 1),
+            Shape(mode, 32, 128, 256, 1)]  # a large batch
+  return out
+
+
+def _inputs(shape: Shape):
+  x = jax.random.normal(jax.random.key(1), (shape.batch, shape.input_size))
+  proj = jax.random.normal(jax.random.key(2), (shape.hidden, shape.input_size)) * 0.05
+  return x, proj
+
+
+# -- the contenders: each returns {pattern: call} -----------------------------------
+#
+# The weights are arguments of the jitted calls, as in a real model: closed over, they
+# would be constants that XLA may fold (the slicing and transposing of ours, say).
+
+
+def ours(shape: Shape, steps: int, implementation: str) -> dict:
+  spec = shape.spec()
+  params = spec.init_params(jax.random.key(0))
+  x, proj = _inputs(shape)
+  zeros = jnp.zeros((shape.layers, shape.batch, shape.hidden))
+  state = (zeros, zeros if shape.mode == "lstm" else None)  # (h, c)
+
+  def one(params, x, state):
+    y, h, c = spec._run(x[None], *state, params, False, implementation=implementation)
+    return jnp.tanh(y[0] @ proj), (h, c)
+
+  def loop(params, x, state):
+    return jax.lax.scan(lambda carry, _: (one(params, *carry), None), (x, state), None,
+                        length=steps)[0]
+
+  step, loop = jax.jit(one), jax.jit(loop)
+  return {"step": lambda: jax.block_until_ready(step(params, x, state)),
+          "loop": lambda: jax.block_until_ready(loop(params, x, state))}
+
+
+def flax_cells(shape: Shape, steps: int) -> dict:
+  import flax.linen as nn
+  make = (lambda: nn.OptimizedLSTMCell(shape.hidden)) if shape.mode == "lstm" else \
+      (lambda: nn.GRUCell(shape.hidden))
+  cells = [make() for _ in range(shape.layers)]
+  x, proj = _inputs(shape)
+  params, carries = [], []
+  for layer, cell in enumerate(cells):
+    size = shape.input_size if layer == 0 else shape.hidden
+    carry = cell.initialize_carry(jax.random.key(3), (shape.batch, size))
+    params.append(cell.init(jax.random.key(layer), carry, jnp.zeros((shape.batch, size))))
+    carries.append(carry)
+  carries = tuple(carries)
+
+  def one(params, x, carries):
+    new, h = [], x
+    for cell, p, carry in zip(cells, params, carries):
+      carry, h = cell.apply(p, carry, h)
+      new.append(carry)
+    return jnp.tanh(h @ proj), tuple(new)
+
+  def loop(params, x, carries):
+    return jax.lax.scan(lambda c, _: (one(params, *c), None), (x, carries), None,
+                        length=steps)[0]
+
+  step, loop = jax.jit(one), jax.jit(loop)
+  return {"step": lambda: jax.block_until_ready(step(params, x, carries)),
+          "loop": lambda: jax.block_until_ready(loop(params, x, carries))}
+
+
+def torch_module(shape: Shape, device: str) -> dict:
+  import torch
+  cls = torch.nn.LSTM if shape.mode == "lstm" else torch.nn.GRU
+  module = cls(shape.input_size, shape.hidden, shape.layers).to(device)
+  x = torch.randn(1, shape.batch, shape.input_size, device=device)
+  proj = torch.randn(shape.hidden, shape.input_size, device=device) * 0.05
+  zeros = torch.zeros(shape.layers, shape.batch, shape.hidden, device=device)
+  state = (zeros, zeros.clone()) if shape.mode == "lstm" else zeros
+  sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+  def step():
+    with torch.no_grad():
+      y, new_state = module(x, state)
+      torch.tanh(y[0] @ proj)
+    sync()
+    return new_state
+
+  return {"step": step}
+
+
+def contenders(shape: Shape, steps: int, gpu: bool, have_torch: bool) -> dict:
+  out = {"ours-xla": lambda: ours(shape, steps, "xla"),
+         "flax-cells": lambda: flax_cells(shape, steps)}
+  if gpu:
+    out["ours-cudnn"] = lambda: ours(shape, steps, "cudnn")
+  if have_torch:
+    out["torch"] = lambda: torch_module(shape, "cuda" if gpu else "cpu")
+  return out
+
+
+# -- the report --------------------------------------------------------------------------
+
+
+def markdown(results: list[dict], device: str, steps: int) -> str:
+  lines = [f"# Decoding one step at a time on {device}", "",
+           f"Microseconds per token; \"loop\": {steps} steps in one jitted `lax.scan`, "
+           "\"step\": one jitted call per token from Python. Ratio = peer's time / ours "
+           "(`ours-cudnn` on a GPU, else `ours-xla`); > 1 means we are faster.", ""]
+  peers = sorted({r["impl"] for r in results} - {"ours-xla", "ours-cudnn"})
+  for pattern in ("loop", "step"):
+    present = [p for p in peers if any(r["impl"] == p and r["pattern"] == pattern
+                                       for r in results)]
+    lines += [f"## {pattern}", "",
+              "| shape | ours (us) | " + " | ".join(f"{p} (us) | ratio" for p in present) + " |",
+              "|---|---:|" + "---:|---:|" * len(present)]
+    for shape in dict.fromkeys(r["shape"] for r in results):
+      rows = {r["impl"]: r for r in results if r["shape"] == shape and r["pattern"] == pattern}
+      mine = rows.get("ours-cudnn") or rows.get("ours-xla")
+      if mine is None:
+        continue
+      cells = [f"{mine['per_token_s'] * 1e6:.1f}"]
+      for p in present:
+        r = rows.get(p)
+        cells += ([f"{r['per_token_s'] * 1e6:.1f}",
+                   f"{r['per_token_s'] / mine['per_token_s']:.2f}x"] if r else ["—", "—"])
+      lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true", help="two shapes, few repeats")
+  parser.add_argument("--steps", type=int, default=64, help="steps of the jitted loop")
+  parser.add_argument("--repeats", type=int, default=None)
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
+  parser.add_argument("--machine", default=None, help="name in the output files")
+  args = parser.parse_args(argv)
+  repeats = args.repeats or (15 if args.quick else 41)
+  gpu = _cudnn.availability()[0]
+  try:
+    import torch
+    have_torch = True
+    torch.set_num_threads(os.cpu_count() or 1)
+  except ImportError:
+    have_torch = False
+    print("torch is not installed: no PyTorch comparison", file=sys.stderr)
+  device = jax.devices()[0]
+  device_name = f"{device.platform}:{device.device_kind}"
+  cpu = grid_run.cpu_description()
+  machine = args.machine or ("gpu-" + device.device_kind.replace(" ", "-") if gpu
+                             else f"cpu-{os.cpu_count()}core"
+                             + ("-avx512" if "avx512f" in cpu["isa"] else ""))
+  results = []
+  for shape in shapes(args.quick):
+    timed = {}
+    for impl, make in contenders(shape, args.steps, gpu, have_torch).items():
+      try:
+        calls = make()
+      except Exception as e:  # a peer that cannot run this shape
+        print(f"{shape.name:28s} {impl:12s} skipped: {type(e).__name__}: {e}"[:200])
+        continue
+      timed.update({(impl, pattern): call for pattern, call in calls.items()})
+    timings = grid_run._time_interleaved(timed, repeats, args.warmup, rounds=repeats)
+    for (impl, pattern), r in timings.items():
+      if "error" in r:
+        print(f"{shape.name:28s} {impl:12s} {pattern}: failed: {r['error']}"[:200])
+        continue
+      tokens = args.steps if pattern == "loop" else 1
+      r.update(shape=shape.name, impl=impl, pattern=pattern, tokens_per_call=tokens,
+               per_token_s=r["median_s"] / tokens, **dataclasses.asdict(shape))
+      results.append(r)
+      print(f"{shape.name:28s} {impl:12s} {pattern:5s} {r['per_token_s'] * 1e6:9.1f} us/token "
+            f"(iqr of a call {r['iqr_s'] * 1e6:.0f} us)", flush=True)
+  out_dir = pathlib.Path(args.out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  stem = f"decode-{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
+  record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(), "cpu": cpu,
+            "versions": grid_run.versions(), "quick": args.quick, "steps": args.steps,
+            "repeats": repeats, "warmup": args.warmup, "results": results}
+  (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=1))
+  table = markdown(results, device_name if gpu else
+                   f"{device_name} ({cpu['model']}; {', '.join(cpu['isa']) or 'no AVX2'})",
+                   args.steps)
+  (out_dir / f"{stem}.md").write_text(table)
+  print("\n" + table)
+  print(f"wrote {out_dir / stem}.json/.md")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
