@@ -75,8 +75,9 @@ def shapes(quick: bool) -> list[Shape]:
 
 
 def _inputs(shape: Shape):
-  x = jax.random.normal(jax.random.key(1), (shape.batch, shape.input_size))
-  proj = jax.random.normal(jax.random.key(2), (shape.hidden, shape.input_size)) * 0.05
+  x = jax.random.normal(jax.random.key(1), (shape.batch, shape.input_size), jnp.float32)
+  proj = jax.random.normal(jax.random.key(2), (shape.hidden, shape.input_size), jnp.float32)
+  proj = proj * 0.05
   return x, proj
 
 
@@ -90,11 +91,12 @@ def ours(shape: Shape, steps: int, implementation: str) -> dict:
   spec = shape.spec()
   params = spec.init_params(jax.random.key(0))
   x, proj = _inputs(shape)
-  zeros = jnp.zeros((shape.layers, shape.batch, shape.hidden))
+  zeros = jnp.zeros((shape.layers, shape.batch, shape.hidden), jnp.float32)
   state = (zeros, zeros if shape.mode == "lstm" else None)  # (h, c)
 
   def one(params, x, state):
-    y, h, c = spec._run(x[None], *state, params, False, implementation=implementation)
+    out = spec._run(x[None], *state, params, False, implementation=implementation)
+    y, h, c = out if len(out) == 3 else (*out, None)  # a GRU returns (y, h)
     return jnp.tanh(y[0] @ proj), (h, c)
 
   def loop(params, x, state):
@@ -116,7 +118,8 @@ def flax_cells(shape: Shape, steps: int) -> dict:
   for layer, cell in enumerate(cells):
     size = shape.input_size if layer == 0 else shape.hidden
     carry = cell.initialize_carry(jax.random.key(3), (shape.batch, size))
-    params.append(cell.init(jax.random.key(layer), carry, jnp.zeros((shape.batch, size))))
+    params.append(cell.init(jax.random.key(layer), carry,
+                            jnp.zeros((shape.batch, size), jnp.float32)))
     carries.append(carry)
   carries = tuple(carries)
 

@@ -72,6 +72,27 @@ T256 I128 H256 94 -> 69, GRU same shape 66 -> 49, LSTM B32 T100 I256 H256,
 float16 operands were no faster on that machine than float32 ones, so float16
 models multiply in float32.
 
+How the forward reads the weights. `_reference._layer_params` slices them out
+of the opaque buffer and transposes them (`W [in, g*H]`, `R [H, g*H]`), which
+XLA:CPU does at about 1 ns an element (an LSTM I256 H256's two matrices, 2
+MiB: about 0.35 ms a call). For one step (T = 1: decoding) or one sequence
+(B = 1: matrix-vector products), `_forward` multiplies by the opaque blocks
+as they lie instead, contracting their trailing axis
+(`_reads_opaque_orientation`): a one-step LSTM call B1 H256 took 0.44 ->
+0.17 ms. Either way the prepared weights and biases go through
+an `optimization_barrier`, so that XLA hoists their slicing (and transposes)
+out of a loop around the call, a decoder's `lax.scan` of one-step calls:
+without it, XLA sliced (copied) them out of the buffer on every trip, for
+a slice is not worth hoisting on its own (a decoder of 16 one-step calls,
+LSTM B8 I256 H256: 2.92 -> 1.78 ms; B1: 6.9 -> 0.74 ms). A one-step call on a
+batch of more than one is the compromise: in a loop, the opaque orientation's
+per-step products are slower than the transposed weights' (LSTM B8 I64 H128,
+64 steps: 2.6 ms, Flax's cells 1.8 ms; transposed and hoisted, 1.9 ms), but
+transposing makes a single call about twice as slow (LSTM B8 I256 H256:
+0.39 -> 0.73-0.79 ms, Flax 0.41-0.44), and a single call from Python is the
+other common way to decode; it keeps the opaque orientation, never slower
+than before (benchmarks/NOTES.md, session 22).
+
 The per-step recurrence and the per-layer plumbing are the reference's
 (`_reference.recurrent_step`, `_reference.forward_scan`,
 `_reference._run_layer`), given this file's cells, which also return the

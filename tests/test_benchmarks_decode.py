@@ -1,0 +1,106 @@
+"""`benchmarks/decode.py` runs end to end on one tiny shape per mode: on this CPU,
+and in its GPU configuration with the handler model (`handler_model.py`)
+standing in for cuDNN.
+
+The timings mean nothing here. What is checked: every contender is timed in
+each of its patterns (PyTorch, eager, has no jitted loop), a peer that cannot
+run is reported and left out, each contender decodes what ours decodes (the
+same recurrence, so the same shapes through the loop), and the table's
+per-token figures and ratios are the JSON's.
+"""
+
+import importlib.util
+import json
+import pathlib
+import re
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from handler_model import HandlerModel
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def _load_decode():
+  spec = importlib.util.spec_from_file_location("benchmark_decode",
+                                                ROOT / "benchmarks" / "decode.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # its dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module
+
+
+def _has_torch() -> bool:
+  return importlib.util.find_spec("torch") is not None
+
+
+@pytest.mark.parametrize("as_gpu", [False, True], ids=["cpu", "gpu-with-handler-model"])
+def test_decode_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
+  decode = _load_decode()
+  tiny = [decode.Shape("lstm", 2, 3, 4, 2), decode.Shape("gru", 1, 3, 4, 1)]
+  monkeypatch.setattr(decode, "shapes", lambda quick: tiny)
+  if as_gpu:
+    HandlerModel().install(monkeypatch.setattr)
+  assert decode.main(["--quick", "--repeats", "2", "--warmup", "1", "--steps", "3",
+                      "--out-dir", str(tmp_path), "--machine", "test"]) == 0
+  printed = capsys.readouterr().out
+
+  written = sorted(p.name for p in tmp_path.iterdir())
+  assert len(written) == 2 and written[0].startswith("decode-test-"), written
+  assert written[0].endswith("-quick.json") and written[1].endswith("-quick.md"), written
+  record = json.loads((tmp_path / written[0]).read_text())
+  assert record["steps"] == 3 and record["repeats"] == 2
+  assert {"jax", "numpy", "cudnn", "commit"} <= set(record["versions"])
+  timed = {("ours-xla", "step"), ("ours-xla", "loop"), ("flax-cells", "step"),
+           ("flax-cells", "loop")}
+  if as_gpu:
+    timed |= {("ours-cudnn", "step"), ("ours-cudnn", "loop")}
+  if _has_torch() and not as_gpu:
+    timed.add(("torch", "step"))
+  if _has_torch() and as_gpu:  # this CPU has no CUDA: reported, and the run goes on
+    assert re.search(r"torch\s+skipped:", printed), printed
+  for shape in tiny:
+    results = {(r["impl"], r["pattern"]): r for r in record["results"]
+               if r["shape"] == shape.name}
+    assert set(results) == timed, sorted(results)
+    for (impl, pattern), r in results.items():
+      tokens = 3 if pattern == "loop" else 1
+      assert r["tokens_per_call"] == tokens and r["repeats"] == 2
+      assert r["per_token_s"] == pytest.approx(r["median_s"] / tokens)
+
+  # The table: per-token microseconds, ratios against ours-cudnn on a GPU, else ours-xla.
+  table = (tmp_path / written[1]).read_text()
+  ours = "ours-cudnn" if as_gpu else "ours-xla"
+  for pattern in ("loop", "step"):
+    section = table.split(f"## {pattern}\n")[1].split("##")[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    peers = [c.strip()[:-len(" (us)")] for c in rows[0].strip("|").split("|")[2::2]]
+    assert set(peers) == {i for i, p in timed if p == pattern} - {"ours-xla", "ours-cudnn"}
+    for shape, row in zip(tiny, rows[2:]):
+      cells = [c.strip() for c in row.strip("|").split("|")]
+      assert cells[0] == shape.name
+      results = {r["impl"]: r for r in record["results"]
+                 if r["shape"] == shape.name and r["pattern"] == pattern}
+      mine = results[ours]["per_token_s"]
+      assert float(cells[1]) == pytest.approx(mine * 1e6, abs=0.06)
+      for k, peer in enumerate(peers):
+        ratio = results[peer]["per_token_s"] / mine
+        assert float(cells[3 + 2 * k].rstrip("x")) == pytest.approx(ratio, abs=0.006)
+
+
+def test_contenders_decode_the_same_recurrence_shapes():
+  """Each JAX contender's loop returns the next input and the carried state with
+  the shapes one step produces (a loop that dropped the state, or fed it back
+  in the wrong shape, would not compile or would decode something else)."""
+  decode = _load_decode()
+  shape = decode.Shape("lstm", 2, 3, 4, 2)
+  for make in (lambda: decode.ours(shape, 3, "xla"), lambda: decode.flax_cells(shape, 3)):
+    calls = make()
+    x, state = calls["loop"]()
+    assert x.shape == (2, 3)
+    leaves = jax.tree.leaves(state)
+    assert leaves and all(np.all(np.isfinite(leaf)) for leaf in leaves)
+    assert {leaf.shape[-1] for leaf in leaves} == {4}
