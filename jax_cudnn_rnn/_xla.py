@@ -77,21 +77,21 @@ of the opaque buffer and transposes them (`W [in, g*H]`, `R [H, g*H]`), which
 XLA:CPU does at about 1 ns an element (an LSTM I256 H256's two matrices, 2
 MiB: about 0.35 ms a call). For one step (T = 1: decoding) or one sequence
 (B = 1: matrix-vector products), `_forward` multiplies by the opaque blocks
-as they lie instead, contracting their trailing axis
-(`_reads_opaque_orientation`): a one-step LSTM call B1 H256 took 0.44 ->
-0.17 ms. Either way the prepared weights and biases go through
-an `optimization_barrier`, so that XLA hoists their slicing (and transposes)
-out of a loop around the call, a decoder's `lax.scan` of one-step calls:
-without it, XLA sliced (copied) them out of the buffer on every trip, for
-a slice is not worth hoisting on its own (a decoder of 16 one-step calls,
-LSTM B8 I256 H256: 2.92 -> 1.78 ms; B1: 6.9 -> 0.74 ms). A one-step call on a
-batch of more than one is the compromise: in a loop, the opaque orientation's
-per-step products are slower than the transposed weights' (LSTM B8 I64 H128,
-64 steps: 2.6 ms, Flax's cells 1.8 ms; transposed and hoisted, 1.9 ms), but
-transposing makes a single call about twice as slow (LSTM B8 I256 H256:
-0.39 -> 0.73-0.79 ms, Flax 0.41-0.44), and a single call from Python is the
-other common way to decode; it keeps the opaque orientation, never slower
-than before (benchmarks/NOTES.md, session 22).
+as they lie instead (`_reads_opaque_orientation`, `_opaque_matmul`): a
+one-step LSTM call B1 I256 H256 took 0.44 -> 0.17 ms. Either way the
+prepared weights and biases go through an `optimization_barrier`, so that
+XLA hoists their slicing (and transposes) out of a loop around the call, a
+decoder's `lax.scan` of one-step calls: without it, XLA sliced (copied) them
+out of the buffer on every trip, for a slice is not worth hoisting on its
+own (a decoder of 16 one-step calls, LSTM B8 I256 H256: 2.92 -> 1.34 ms; B1:
+6.9 -> 0.74 ms). A one-step call on a batch of more than one is a
+compromise: in a loop, the per-step products against the opaque blocks are
+slower than against transposed ones (LSTM B8 I64 H128, 16 steps: 0.52 ms;
+transposed and hoisted, about 0.45 ms), but transposing makes a single call
+about twice as slow (LSTM B8 I256 H256: 0.39 -> 0.73-0.79 ms), and a single
+call from Python per token is the other common way to decode; so one-step
+calls keep the opaque blocks, never slower than before in either pattern
+(benchmarks/NOTES.md, session 22).
 
 The per-step recurrence and the per-layer plumbing are the reference's
 (`_reference.recurrent_step`, `_reference.forward_scan`,
@@ -257,21 +257,37 @@ def _reads_opaque_orientation(x: jax.Array) -> bool:
   return any(not jax.export.is_symbolic_dim(n) and n == 1 for n in x.shape[:2])
 
 
+def _opaque_matmul(operands, a: jax.Array, w: jax.Array) -> jax.Array:
+  """`a @ w^T` for `a [..., K]` and a weight block `w [N, K]` as the opaque
+  buffer holds it, multiplied feature-major: `w @ a^T`, whose result (small:
+  `[N, rows of a]`) is then transposed. Its result goes through a barrier,
+  else XLA rewrites the pair as `a @ w^T`, which packs the transposed `w` on
+  every call, 5-20% slower (benchmarks/NOTES.md, session 22). `operands` as
+  `operand_dtype`."""
+  flat = a.reshape(-1, a.shape[-1])
+  dims = (((1,), (1,)), ((), ()))
+  if operands is None:
+    product = jax.lax.dot_general(w, flat, dims)
+  else:
+    product = _rounded_dot.rounded_dot(w, flat, dims, operands=operands, result=a.dtype)
+  return jax.lax.optimization_barrier(product).T.reshape(a.shape[:-1] + (w.shape[0],))
+
+
 def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients):
   """The forward recurrence over this file's cells (`_reference.forward_scan`
   or, where the number of steps allows, `_chunked_scan`); `res` holds the
   coefficients stacked over time when `coefficients`, else empty tuples.
   `operands`: `operand_dtype` of the model."""
   cell = functools.partial(_CELLS[mode], coefficients=coefficients)
-  dot_general, matmul, round_ = _products(operands)
+  _, matmul, round_ = _products(operands)
   W = None if W is None else tuple(round_(w) for w in W)
   R = tuple(round_(r) for r in R)
   if _reads_opaque_orientation(xs[0]):
     # Back to the opaque buffer's `[g*H, .]` blocks (XLA cancels the two
-    # transposes), each product contracting their trailing axis.
+    # transposes), multiplied as they lie.
     W = None if W is None else tuple(w.T for w in W)
     R = tuple(r.T for r in R)
-    matmul = lambda a, w: dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())))
+    matmul = functools.partial(_opaque_matmul, operands)
   # Pins the prepared weights and biases, so that XLA hoists their slicing
   # (and transposes) out of a loop around this call (the module docstring).
   W, R, bW, bR = jax.lax.optimization_barrier((W, R, bW, bR))
