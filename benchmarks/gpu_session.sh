@@ -9,7 +9,7 @@
 # Stages: build, gpu-tests (test_cudnn.py and the native library's checks; the
 # plumbing tests are CPU-only and run in `suite`), demo, suite (every test, on the GPU backend: the
 # adapters and the demo then run cuDNN through implementation=None),
-# bench-quick, bench-full. A device command may run 10 minutes, so the stages
+# bench-quick, bench-full, bench-decode (benchmarks/decode.py). A device command may run 10 minutes, so the stages
 # of one call share a budget (BUDGET seconds, default 570): each gets what is
 # left, a stage that would start with under 30 s is skipped, and the call always
 # comes back with its logs. The build stays between calls while the machine is
@@ -77,8 +77,10 @@ for stage in "${stages[@]}"; do
       run_stage bench-quick bash -c "set -o pipefail; python3 benchmarks/run.py --quick --out-dir '$out' 2>&1 | tail -40" ;;
     bench-full)
       run_stage bench-full bash -c "set -o pipefail; python3 benchmarks/run.py --out-dir '$out' 2>&1 | tail -60" ;;
+    bench-decode)
+      run_stage bench-decode bash -c "set -o pipefail; python3 benchmarks/decode.py --out-dir '$out' 2>&1 | tail -40" ;;
     *)
-      echo "unknown stage $stage (build, gpu-tests, demo, suite, bench-quick, bench-full)"
+      echo "unknown stage $stage (build, gpu-tests, demo, suite, bench-quick, bench-full, bench-decode)"
       exit 2 ;;
   esac
 done
