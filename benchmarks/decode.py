@@ -35,13 +35,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import run as grid_run  # noqa: E402  (benchmarks/run.py: timing, versions, CPU description)
 
 import jax_cudnn_rnn as jcr  # noqa: E402
-from jax_cudnn_rnn import _cudnn  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +85,19 @@ def _inputs(shape: Shape):
 # would be constants that XLA may fold (the slicing and transposing of ours, say).
 
 
+def _patterns(one, steps: int, params, x, state) -> dict:
+  """The two patterns of a JAX contender whose `one(params, x, state)` makes one
+  step and returns `(next x, next state)`: one jitted call, and a jitted loop of
+  `steps` of them; each call returns its result."""
+  def loop(params, x, state):
+    return jax.lax.scan(lambda carry, _: (one(params, *carry), None), (x, state), None,
+                        length=steps)[0]
+
+  step, loop = jax.jit(one), jax.jit(loop)
+  return {"step": lambda: jax.block_until_ready(step(params, x, state)),
+          "loop": lambda: jax.block_until_ready(loop(params, x, state))}
+
+
 def ours(shape: Shape, steps: int, implementation: str) -> dict:
   spec = shape.spec()
   params = spec.init_params(jax.random.key(0))
@@ -99,13 +110,7 @@ def ours(shape: Shape, steps: int, implementation: str) -> dict:
     y, h, c = out if len(out) == 3 else (*out, None)  # a GRU returns (y, h)
     return jnp.tanh(y[0] @ proj), (h, c)
 
-  def loop(params, x, state):
-    return jax.lax.scan(lambda carry, _: (one(params, *carry), None), (x, state), None,
-                        length=steps)[0]
-
-  step, loop = jax.jit(one), jax.jit(loop)
-  return {"step": lambda: jax.block_until_ready(step(params, x, state)),
-          "loop": lambda: jax.block_until_ready(loop(params, x, state))}
+  return _patterns(one, steps, params, x, state)
 
 
 def flax_cells(shape: Shape, steps: int) -> dict:
@@ -130,13 +135,7 @@ def flax_cells(shape: Shape, steps: int) -> dict:
       new.append(carry)
     return jnp.tanh(h @ proj), tuple(new)
 
-  def loop(params, x, carries):
-    return jax.lax.scan(lambda c, _: (one(params, *c), None), (x, carries), None,
-                        length=steps)[0]
-
-  step, loop = jax.jit(one), jax.jit(loop)
-  return {"step": lambda: jax.block_until_ready(step(params, x, carries)),
-          "loop": lambda: jax.block_until_ready(loop(params, x, carries))}
+  return _patterns(one, steps, params, x, carries)
 
 
 def torch_module(shape: Shape, device: str) -> dict:
@@ -179,22 +178,10 @@ def markdown(results: list[dict], device: str, steps: int) -> str:
            "(`ours-cudnn` on a GPU, else `ours-xla`); > 1 means we are faster.", ""]
   peers = sorted({r["impl"] for r in results} - {"ours-xla", "ours-cudnn"})
   for pattern in ("loop", "step"):
-    present = [p for p in peers if any(r["impl"] == p and r["pattern"] == pattern
-                                       for r in results)]
-    lines += [f"## {pattern}", "",
-              "| shape | ours (us) | " + " | ".join(f"{p} (us) | ratio" for p in present) + " |",
-              "|---|---:|" + "---:|---:|" * len(present)]
-    for shape in dict.fromkeys(r["shape"] for r in results):
-      rows = {r["impl"]: r for r in results if r["shape"] == shape and r["pattern"] == pattern}
-      mine = rows.get("ours-cudnn") or rows.get("ours-xla")
-      if mine is None:
-        continue
-      cells = [f"{mine['per_token_s'] * 1e6:.1f}"]
-      for p in present:
-        r = rows.get(p)
-        cells += ([f"{r['per_token_s'] * 1e6:.1f}",
-                   f"{r['per_token_s'] / mine['per_token_s']:.2f}x"] if r else ["—", "—"])
-      lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    section = [r for r in results if r["pattern"] == pattern]
+    present = [p for p in peers if any(r["impl"] == p for r in section)]
+    lines += [f"## {pattern}", ""]
+    lines += grid_run.ratio_table(section, present, "per_token_s", "us", 1e6, 1)
     lines.append("")
   return "\n".join(lines)
 
@@ -210,20 +197,7 @@ def main(argv=None) -> int:
   parser.add_argument("--machine", default=None, help="name in the output files")
   args = parser.parse_args(argv)
   repeats = args.repeats or (15 if args.quick else 41)
-  gpu = _cudnn.availability()[0]
-  try:
-    import torch
-    have_torch = True
-    torch.set_num_threads(os.cpu_count() or 1)
-  except ImportError:
-    have_torch = False
-    print("torch is not installed: no PyTorch comparison", file=sys.stderr)
-  device = jax.devices()[0]
-  device_name = f"{device.platform}:{device.device_kind}"
-  cpu = grid_run.cpu_description()
-  machine = args.machine or ("gpu-" + device.device_kind.replace(" ", "-") if gpu
-                             else f"cpu-{os.cpu_count()}core"
-                             + ("-avx512" if "avx512f" in cpu["isa"] else ""))
+  gpu, have_torch, device_name, cpu, machine = grid_run.setting(args.machine)
   results = []
   for shape in shapes(args.quick):
     timed = {}

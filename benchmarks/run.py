@@ -342,26 +342,37 @@ def cpu_description() -> dict:
   return {"model": model, "isa": isa}
 
 
+def ratio_table(results: list[dict], peers: list[str], value: str, unit: str,
+                scale: float, digits: int) -> list[str]:
+  """The lines of one markdown table of `results` (one section's): per shape,
+  ours (`ours-cudnn` where it ran, else `ours-xla`) and each peer's `value`,
+  times `scale`, in `unit`, and the peer's ratio to ours."""
+  lines = ["| shape | ours (" + unit + ") | " +
+           " | ".join(f"{p} ({unit}) | ratio" for p in peers) + " |",
+           "|---|---:|" + "---:|---:|" * len(peers)]
+  for shape in dict.fromkeys(r["shape"] for r in results):
+    rows = {r["impl"]: r for r in results if r["shape"] == shape}
+    mine = rows.get("ours-cudnn") or rows.get("ours-xla")
+    if mine is None:
+      continue
+    cells = [f"{mine[value] * scale:.{digits}f}"]
+    for p in peers:
+      r = rows.get(p)
+      cells += ([f"{r[value] * scale:.{digits}f}", f"{r[value] / mine[value]:.2f}x"]
+                if r else ["—", "—"])
+    lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+  return lines
+
+
 def markdown(results: list[dict], device: str) -> str:
   lines = [f"# RNN benchmarks on {device}", "",
            "Ratio = peer's median time / ours (`ours-cudnn` on a GPU, else `ours-xla`); "
            "> 1 means we are faster.", ""]
   peers = sorted({r["impl"] for r in results} - {"ours-xla", "ours-cudnn"})
   for phase in ("fwd", "fwd+bwd"):
-    lines += [f"## {phase}", "",
-              "| shape | ours (ms) | " + " | ".join(f"{p} (ms) | ratio" for p in peers) + " |",
-              "|---|---:|" + "---:|---:|" * len(peers)]
-    for shape in dict.fromkeys(r["shape"] for r in results):
-      rows = {r["impl"]: r for r in results if r["shape"] == shape and r["phase"] == phase}
-      mine = rows.get("ours-cudnn") or rows.get("ours-xla")
-      if mine is None:
-        continue
-      cells = [f"{mine['median_s'] * 1e3:.2f}"]
-      for p in peers:
-        r = rows.get(p)
-        cells += ([f"{r['median_s'] * 1e3:.2f}", f"{r['median_s'] / mine['median_s']:.2f}x"]
-                  if r else ["—", "—"])
-      lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    lines += [f"## {phase}", ""]
+    lines += ratio_table([r for r in results if r["phase"] == phase], peers, "median_s", "ms",
+                         1e3, 2)
     lines.append("")
   mib = lambda r: "—" if r is None or r.get("memory_bytes") is None else \
       f"{r['memory_bytes'] / 2**20:.1f}"
@@ -415,6 +426,29 @@ def plot(results: list[dict], path: pathlib.Path, device: str) -> bool:
   return True
 
 
+def setting(machine: str | None):
+  """`(gpu, have_torch, device_name, cpu, machine)` for a run: whether the cuDNN path
+  can run, whether PyTorch is installed (then set to use every core), JAX's first
+  device, `cpu_description()`, and the machine's name in the output files
+  (`machine`, or one made from the device)."""
+  gpu = _cudnn.availability()[0]
+  try:
+    import torch
+    have_torch = True
+    torch.set_num_threads(os.cpu_count() or 1)
+  except ImportError:
+    have_torch = False
+    print("torch is not installed: no PyTorch comparison", file=sys.stderr)
+  device = jax.devices()[0]
+  cpu = cpu_description()
+  # Named for what sets the speed: AVX-512 machines get a suffix, so their
+  # figures do not overwrite an AVX2 machine's of the same day.
+  machine = machine or ("gpu-" + device.device_kind.replace(" ", "-") if gpu
+                        else f"cpu-{os.cpu_count()}core"
+                        + ("-avx512" if "avx512f" in cpu["isa"] else ""))
+  return gpu, have_torch, f"{device.platform}:{device.device_kind}", cpu, machine
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -437,22 +471,7 @@ def main(argv=None) -> int:
   # contender. With 3 rounds of 4, the unchanged GRU B16 forward measured 0.88x
   # of Flax; fully interleaved over 150 rounds, 1.05x (benchmarks/NOTES.md).
   rounds = args.rounds or repeats
-  gpu = _cudnn.availability()[0]
-  try:
-    import torch
-    have_torch = True
-    torch.set_num_threads(os.cpu_count() or 1)
-  except ImportError:
-    have_torch = False
-    print("torch is not installed: no PyTorch comparison", file=sys.stderr)
-  device = jax.devices()[0]
-  device_name = f"{device.platform}:{device.device_kind}"
-  cpu = cpu_description()
-  # Named for what sets the speed: AVX-512 machines get a suffix, so their
-  # figures do not overwrite an AVX2 machine's of the same day.
-  machine = args.machine or ("gpu-" + device.device_kind.replace(" ", "-") if gpu
-                             else f"cpu-{os.cpu_count()}core"
-                             + ("-avx512" if "avx512f" in cpu["isa"] else ""))
+  gpu, have_torch, device_name, cpu, machine = setting(args.machine)
   only = set(args.only.split(",")) if args.only else None
   # A first compilation pays once for what every later one reuses (the backend's
   # start-up, JAX's own first traces): not on the first contender's account.

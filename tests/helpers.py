@@ -1,9 +1,11 @@
 """Shared test helpers: the spec classes, random canonical params, uniform calls,
-the built native library."""
+the built native library, the benchmark scripts."""
 
 import ctypes
+import importlib.util
 import os
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -94,3 +96,17 @@ def native_library() -> ctypes.CDLL:
     pytest.skip("the native library was not built on this machine")
   _cudnn._preload_cudnn_wheel()
   return ctypes.CDLL(str(path))
+
+
+def load_benchmark(name: str):
+  """`benchmarks/<name>.py` as a module (the benchmarks are scripts, not a package)."""
+  path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # its dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module
+
+
+def has_torch() -> bool:
+  return importlib.util.find_spec("torch") is not None

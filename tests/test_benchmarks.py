@@ -12,33 +12,21 @@ import importlib.util
 import json
 import pathlib
 import re
-import sys
 import time
 
 import pytest
 
 from handler_model import HandlerModel
+from helpers import has_torch, load_benchmark
 
 ROOT = pathlib.Path(__file__).parent.parent
 TINY = dict(mode="lstm", batch=2, seq_len=3, input_size=4, hidden=5, layers=2,
             bidirectional=True, dtype="float32")
 
 
-def _load_benchmark():
-  spec = importlib.util.spec_from_file_location("benchmark_run", ROOT / "benchmarks" / "run.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # its dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
-
-
-def _has_torch() -> bool:
-  return importlib.util.find_spec("torch") is not None
-
-
 @pytest.mark.parametrize("as_gpu", [False, True], ids=["cpu", "gpu-with-handler-model"])
 def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
-  run = _load_benchmark()
+  run = load_benchmark("run")
   shape = run.Shape(**TINY)
   monkeypatch.setattr(run, "grid", lambda quick, gpu: [shape])
   if as_gpu:
@@ -73,7 +61,7 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
     assert isinstance(versions["uncommitted changes"], list), versions
   ours = "ours-cudnn" if as_gpu else "ours-xla"
   timed = {"ours-xla", "flax-scan"} | ({"ours-cudnn"} if as_gpu else set())
-  if _has_torch() and not as_gpu:
+  if has_torch() and not as_gpu:
     timed.add("torch")
   results = {(r["impl"], r["phase"]): r for r in record["results"]}
   assert set(results) == {(i, p) for i in timed for p in ("fwd", "fwd+bwd")}
@@ -87,7 +75,7 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   assert "compile" in record["compile_measure"]
   if as_gpu:  # this CPU has no CUDA: those peers are reported, and the run goes on
     assert re.search(r"jax\.experimental\.rnn\s+skipped:", printed), printed
-    if _has_torch():
+    if has_torch():
       assert re.search(r"torch\s+skipped:", printed), printed
 
   # The table: against ours-cudnn on a GPU, ours-xla elsewhere; ours-xla is
@@ -126,7 +114,7 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
     (1, 2, ["a"] * 5 + ["b"] * 5),
 ])
 def test_timing_rounds_interleave_the_contenders(rounds, lead_in, order):
-  run = _load_benchmark()
+  run = load_benchmark("run")
   calls = []
   fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
   timed = run._time_interleaved(fns, repeats=3, warmup=1, rounds=rounds, lead_in=lead_in)
@@ -139,7 +127,7 @@ def test_timing_rounds_interleave_the_contenders(rounds, lead_in, order):
 def test_lead_in_keeps_a_predecessors_slowdown_out_of_the_timings(lead_in):
   # "a" is slow right after a call of "b" (as a JAX call is right after PyTorch's on a
   # small CPU); with a lead-in, only untimed calls of "a" pay for that.
-  run = _load_benchmark()
+  run = load_benchmark("run")
   last = {"name": None}
   def make(name, penalty_s):
     def call():
@@ -156,7 +144,7 @@ def test_lead_in_keeps_a_predecessors_slowdown_out_of_the_timings(lead_in):
 
 
 def test_a_failing_contender_is_reported_and_the_others_timed():
-  run = _load_benchmark()
+  run = load_benchmark("run")
   def broken():
     raise RuntimeError("no such kernel")
   timed = run._time_interleaved({"ok": lambda: None, "broken": broken},
@@ -166,7 +154,7 @@ def test_a_failing_contender_is_reported_and_the_others_timed():
 
 
 def test_a_contender_failing_after_its_warm_up_is_reported_and_the_others_timed():
-  run = _load_benchmark()
+  run = load_benchmark("run")
   calls = {"n": 0}
   def fails_on_third_call():  # the warm-up and one timed call pass, then it fails
     calls["n"] += 1

@@ -9,37 +9,20 @@ same recurrence, so the same shapes through the loop), and the table's
 per-token figures and ratios are the JSON's.
 """
 
-import importlib.util
 import json
-import pathlib
 import re
-import sys
 
 import jax
 import numpy as np
 import pytest
 
 from handler_model import HandlerModel
-
-ROOT = pathlib.Path(__file__).parent.parent
-
-
-def _load_decode():
-  spec = importlib.util.spec_from_file_location("benchmark_decode",
-                                                ROOT / "benchmarks" / "decode.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # its dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
-
-
-def _has_torch() -> bool:
-  return importlib.util.find_spec("torch") is not None
+from helpers import has_torch, load_benchmark
 
 
 @pytest.mark.parametrize("as_gpu", [False, True], ids=["cpu", "gpu-with-handler-model"])
 def test_decode_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
-  decode = _load_decode()
+  decode = load_benchmark("decode")
   tiny = [decode.Shape("lstm", 2, 3, 4, 2), decode.Shape("gru", 1, 3, 4, 1)]
   monkeypatch.setattr(decode, "shapes", lambda quick: tiny)
   if as_gpu:
@@ -58,9 +41,9 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys)
            ("flax-cells", "loop")}
   if as_gpu:
     timed |= {("ours-cudnn", "step"), ("ours-cudnn", "loop")}
-  if _has_torch() and not as_gpu:
+  if has_torch() and not as_gpu:
     timed.add(("torch", "step"))
-  if _has_torch() and as_gpu:  # this CPU has no CUDA: reported, and the run goes on
+  if has_torch() and as_gpu:  # this CPU has no CUDA: reported, and the run goes on
     assert re.search(r"torch\s+skipped:", printed), printed
   for shape in tiny:
     results = {(r["impl"], r["pattern"]): r for r in record["results"]
@@ -95,7 +78,7 @@ def test_contenders_decode_the_same_recurrence_shapes():
   """Each JAX contender's loop returns the next input and the carried state with
   the shapes one step produces (a loop that dropped the state, or fed it back
   in the wrong shape, would not compile or would decode something else)."""
-  decode = _load_decode()
+  decode = load_benchmark("decode")
   shape = decode.Shape("lstm", 2, 3, 4, 2)
   for make in (lambda: decode.ours(shape, 3, "xla"), lambda: decode.flax_cells(shape, 3)):
     calls = make()
