@@ -92,7 +92,7 @@ transposing makes a single call about twice as slow (LSTM B8 I256 H256: 0.34
 ms opaque, 0.85 ms transposed; 0.43 ms before), and a single call from
 Python per token is the other common way to decode; so one-step calls keep
 the opaque blocks, faster than before in both patterns but for the smallest
-models' single call (GRU B1 I64 H128: 25 -> 57 us; all figures from one
+models' single call (GRU B1 I64 H128: 25 -> 57 us); all figures from one
 process, interleaved (benchmarks/NOTES.md, session 22).
 
 The per-step recurrence and the per-layer plumbing are the reference's
