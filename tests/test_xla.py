@@ -4,7 +4,9 @@ Values, reverse-mode gradients with respect to every subset of inputs (each
 subset leaves different tangents symbolically zero), forward-mode JVPs and
 second order, over every mode, direction, input mode, depth and with lengths,
 on short sequences, whose forward runs step by step; and the same on sequences
-long enough for the forward to run a chunk of steps at a time. Last, bfloat16
+long enough for the forward to run a chunk of steps at a time; one step and
+one sequence, whose products read the opaque weight blocks as they lie, and
+a decoding loop around a call, out of which XLA must hoist the weights. Last, bfloat16
 models, whose forward and backward passes multiply bfloat16 operands: the
 operand dtypes, the values against numpy with the same rounding, the
 gradients, forward mode and `vmap` (`test_rounded_dot.py` holds the product
@@ -288,18 +290,22 @@ def _dots(jaxpr):
       yield [eqn.params["operands"]] * 2, eqn.outvars[0].aval.dtype
 
 
-@pytest.mark.parametrize("T", [6, 32], ids=["step-by-step", "chunked"])
+SHAPES = [(6, 3), (32, 3), (1, 3), (32, 1)]  # (T, B); the last two read the opaque blocks
+SHAPE_IDS = ["step-by-step", "chunked", "one-step", "one-sequence-chunked"]
+
+
+@pytest.mark.parametrize("T,B", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("dtype,operands", [(jnp.bfloat16, jnp.bfloat16),
                                             (jnp.float16, jnp.float32),
                                             (jnp.float32, jnp.float32)])
-def test_forward_matmul_operand_dtypes(dtype, operands, T):
+def test_forward_matmul_operand_dtypes(dtype, operands, T, B):
   """bfloat16 models multiply bfloat16 operands, accumulating in float32 (on
   CPUs with AMX or AVX512-BF16 several times faster; benchmarks/NOTES.md,
   session 15); float16 ones multiply in float32 (no faster in float16 there);
   the reference always multiplies in float32."""
   spec = jcr.CudnnLSTM(2, 8, 5, direction="bidirectional", dtype=dtype)
   params = spec.init_params(jax.random.key(0))
-  x, h, c = random_inputs(spec, T, 3)
+  x, h, c = random_inputs(spec, T, B)
   for impl, want in ((_xla.rnn, operands), (_reference.rnn, jnp.float32)):
     jaxpr = jax.make_jaxpr(lambda x, h, c, p: impl(spec, x, h, c, p))(x, h, c, params)
     dots = list(_dots(jaxpr.jaxpr))
@@ -364,6 +370,36 @@ def test_bfloat16_rounds_only_the_matmul_operands(cls, T):
   y = np.asarray(y, np.float64)
   np.testing.assert_allclose(y, rounded, rtol=0, atol=5e-5)
   assert np.abs(y - exact).max() > 3e-4
+
+
+@pytest.mark.parametrize("T,B", [(1, 3), (32, 1), (1, 1)],
+                         ids=["one-step", "one-sequence-chunked", "both"])
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_bfloat16_opaque_products_round_as_the_transposed_ones(cls, T, B, monkeypatch):
+  """A bfloat16 model's one-step and one-sequence forward, whose products read
+  the opaque blocks (`_opaque_matmul`), against the same forward made to
+  multiply transposed weights (the form the test above holds against numpy):
+  the same operands rounded, so equal but for float32 summation order. (Against
+  numpy directly, a one-sequence RNN-tanh here meets a state within float32
+  rounding of a bfloat16 midpoint, which numpy rounds the other way: both forms
+  then differ from it by 2e-3, and from each other by 1e-7.)"""
+  spec = cls(2, 8, 5, direction="bidirectional", dtype=jnp.bfloat16)
+  params = jnp.asarray(spec.init_params(jax.random.key(0)), jnp.float32)
+  x, h, c = (None if a is None else jnp.asarray(a, jnp.float32)
+             for a in random_inputs(spec, T, B))
+
+  def forward(opaque):
+    monkeypatch.setattr(_xla, "_reads_opaque_orientation", lambda x: opaque)
+    y = x
+    for layer in range(2):
+      states = slice(2 * layer, 2 * layer + 2)
+      y, _, _ = jax.jit(lambda y, h, c: _xla.run_layer(spec, y, h, c, params, layer, None))(
+          y, h[states], None if c is None else c[states])
+    return np.asarray(y, np.float64)
+
+  opaque, transposed = forward(True), forward(False)
+  assert np.all(np.isfinite(transposed))
+  np.testing.assert_allclose(opaque, transposed, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
