@@ -13,8 +13,10 @@ JAX user writes:
 - "step": one jitted one-step call made from Python per token (a sampling
   loop in Python, as `jax_cudnn_rnn.demo` does): ours, Flax's cells, and
   PyTorch's `nn.LSTM` / `nn.GRU` given a one-step input (eager, `no_grad`).
-Every step feeds the next: its input is `tanh(y @ P)` of the last output (a
-fixed projection standing in for embedding a sampled token). Figures are per
+Each step also computes `tanh(y @ P)` of its output (a fixed projection
+standing in for embedding a sampled token), which in the loop is the next
+step's input; a timed call from Python starts from the same input and state
+each time. Figures are per
 token (a loop's time divided by its steps), medians over round-robin rounds
 (`run._time_interleaved`), float32.
 

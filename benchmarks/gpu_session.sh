@@ -9,7 +9,8 @@
 # Stages: build, gpu-tests (test_cudnn.py and the native library's checks; the
 # plumbing tests are CPU-only and run in `suite`), demo, suite (every test, on the GPU backend: the
 # adapters and the demo then run cuDNN through implementation=None),
-# bench-quick, bench-full, bench-decode (benchmarks/decode.py). A device command may run 10 minutes, so the stages
+# bench-quick, bench-full, bench-decode (benchmarks/decode.py). A device
+# command may run 10 minutes, so the stages
 # of one call share a budget (BUDGET seconds, default 570): each gets what is
 # left, a stage that would start with under 30 s is skipped, and the call always
 # comes back with its logs. The build stays between calls while the machine is
