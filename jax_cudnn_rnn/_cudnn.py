@@ -4,7 +4,9 @@ wraps them in a `custom_vjp` whose residual is cuDNN's reserve space.
 - The library (`libjax_cudnn_rnn.so`, built from `xla_ffi/`) is looked up next
   to this file and in the installed package folders (an editable install puts
   it in site-packages). cuDNN itself is the one the JAX CUDA plugin loads, or
-  the `nvidia-cudnn-cu13` wheel's.
+  the `nvidia-cudnn-cu13` wheel's. Where JAX sees a CUDA device but the
+  library is missing or does not load, `implementation=None` warns once and
+  runs the "xla" path (`warn_if_gpu_without_library`).
 - Sizes (weight space, reserve space) are queried from cuDNN at trace time
   through a plain C entry point and cached per configuration, so the reserve
   space is an output of static shape.
@@ -41,6 +43,7 @@ import functools
 import importlib.util
 import pathlib
 import sysconfig
+import warnings
 
 import numpy as np
 import jax
@@ -93,8 +96,8 @@ def _load():
   """The native library, or None with the reason it is not available."""
   path = next((p for p in _library_candidates() if p.exists()), None)
   if path is None:
-    return None, (f"the native library {LIBRARY_NAME} was not built (CUDA and cuDNN's "
-                  "headers were not found at install time)")
+    return None, (f"the native library {LIBRARY_NAME} was not built (the CUDA toolkit, "
+                  "cuDNN's headers or JAX's FFI headers were not found at install time)")
   _preload_cudnn_wheel()
   try:
     return ctypes.CDLL(str(path)), ""
@@ -160,6 +163,23 @@ def availability() -> tuple[bool, str]:
   if not _has_cuda_device():
     return False, "JAX sees no CUDA device"
   return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def warn_if_gpu_without_library() -> None:
+  """Warns, once a process, where JAX sees a CUDA device but the native
+  library is missing or does not load: `implementation=None` then runs the
+  pure-JAX path on that GPU, several times slower than cuDNN, which a user
+  would not otherwise learn (an install with pip's build isolation, for
+  instance, builds without the library: its build environment has no jax)."""
+  lib, why = _load()
+  if lib is None and _has_cuda_device():
+    warnings.warn(
+        f"jax_cudnn_rnn: JAX sees a CUDA device, but {why}, so implementation=None runs the "
+        "pure-JAX 'xla' path there, not cuDNN. To build the library, install the package "
+        "with `pip install --no-build-isolation` in an environment that has jax[cuda13] and "
+        "nvidia-cudnn-cu13 (README); pass implementation='xla' to choose the pure-JAX "
+        "path and silence this warning.", RuntimeWarning, stacklevel=2)
 
 
 def in_compiled(compiled) -> bool:

@@ -101,6 +101,8 @@ def resolve_implementation(implementation):
                        "Use implementation=None or 'xla' for the pure-JAX path.")
   if implementation == "cudnn":
     return "cudnn"
+  if not available:
+    _cudnn.warn_if_gpu_without_library()
   return "auto" if available else "xla"
 
 

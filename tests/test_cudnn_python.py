@@ -1,5 +1,7 @@
 """Pure-Python parts of the cuDNN backend that run on any machine."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,59 @@ def test_config_attributes_have_exact_ffi_types():
 def test_availability_explains_itself():
   available, why = _cudnn.availability()
   assert available or why
+
+
+@pytest.fixture
+def gpu_without_library(monkeypatch):
+  """A process where JAX sees a CUDA device but the native library is missing
+  (what an install with pip's build isolation gives on a GPU machine); the
+  computation itself still runs on this machine's CPU."""
+  monkeypatch.setattr(_cudnn, "_has_cuda_device", lambda: True)
+  monkeypatch.setattr(_cudnn, "_load", lambda: (None, "the native library was not built"))
+  _cudnn.warn_if_gpu_without_library.cache_clear()
+  yield
+  _cudnn.warn_if_gpu_without_library.cache_clear()
+
+
+def _small_lstm_call(implementation):
+  spec = jcr.CudnnLSTM(2, 5, 3, dtype=jnp.float64)
+  params = spec.init_params(jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (4, 2, 3), jnp.float64)
+  return spec(x, None, None, params, implementation=implementation)
+
+
+def test_gpu_without_library_warns_once_and_runs_the_xla_path(gpu_without_library):
+  with pytest.warns(RuntimeWarning) as record:
+    y, h, c = _small_lstm_call(None)
+  assert len(record) == 1
+  message = str(record[0].message)
+  assert "JAX sees a CUDA device" in message and "the native library was not built" in message
+  assert "--no-build-isolation" in message and "implementation='xla'" in message
+  for got, want in zip((y, h, c), _small_lstm_call("xla")):
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # once a process: a second call is silent
+    _small_lstm_call(None)
+
+
+def test_gpu_without_library_is_silent_when_xla_is_asked_for(gpu_without_library):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _small_lstm_call("xla")
+  with pytest.raises(RuntimeError, match="cannot run here: the native library was not built"):
+    _small_lstm_call("cudnn")
+
+
+def test_no_warning_without_a_cuda_device(monkeypatch):
+  monkeypatch.setattr(_cudnn, "_has_cuda_device", lambda: False)
+  monkeypatch.setattr(_cudnn, "_load", lambda: (None, "the native library was not built"))
+  _cudnn.warn_if_gpu_without_library.cache_clear()
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      _small_lstm_call(None)
+  finally:
+    _cudnn.warn_if_gpu_without_library.cache_clear()
 
 
 def _layer_major_rows(spec):
