@@ -42,15 +42,19 @@ def test_availability_explains_itself():
 
 
 @pytest.fixture
-def gpu_without_library(monkeypatch):
-  """A process where JAX sees a CUDA device but the native library is missing
-  (what an install with pip's build isolation gives on a GPU machine); the
-  computation itself still runs on this machine's CPU."""
-  monkeypatch.setattr(_cudnn, "_has_cuda_device", lambda: True)
+def library_missing(monkeypatch):
+  """A process without the native library (what an install with pip's build
+  isolation gives, even on a GPU machine), whose once-a-process warning has not
+  been given yet; the computation itself runs on this machine's CPU."""
   monkeypatch.setattr(_cudnn, "_load", lambda: (None, "the native library was not built"))
   _cudnn.warn_if_gpu_without_library.cache_clear()
   yield
   _cudnn.warn_if_gpu_without_library.cache_clear()
+
+
+@pytest.fixture
+def gpu_without_library(library_missing, monkeypatch):
+  monkeypatch.setattr(_cudnn, "_has_cuda_device", lambda: True)
 
 
 def _small_lstm_call(implementation):
@@ -82,16 +86,11 @@ def test_gpu_without_library_is_silent_when_xla_is_asked_for(gpu_without_library
     _small_lstm_call("cudnn")
 
 
-def test_no_warning_without_a_cuda_device(monkeypatch):
+def test_no_warning_without_a_cuda_device(library_missing, monkeypatch):
   monkeypatch.setattr(_cudnn, "_has_cuda_device", lambda: False)
-  monkeypatch.setattr(_cudnn, "_load", lambda: (None, "the native library was not built"))
-  _cudnn.warn_if_gpu_without_library.cache_clear()
-  try:
-    with warnings.catch_warnings():
-      warnings.simplefilter("error")
-      _small_lstm_call(None)
-  finally:
-    _cudnn.warn_if_gpu_without_library.cache_clear()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _small_lstm_call(None)
 
 
 def _layer_major_rows(spec):
