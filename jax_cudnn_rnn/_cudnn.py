@@ -169,7 +169,7 @@ def availability() -> tuple[bool, str]:
 def warn_if_gpu_without_library() -> None:
   """Warns, once a process, where JAX sees a CUDA device but the native
   library is missing or does not load: `implementation=None` then runs the
-  pure-JAX path on that GPU, several times slower than cuDNN, which a user
+  pure-JAX path on that GPU instead of cuDNN's fused kernels, which a user
   would not otherwise learn (an install with pip's build isolation, for
   instance, builds without the library: its build environment has no jax)."""
   lib, why = _load()
