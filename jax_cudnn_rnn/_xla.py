@@ -15,7 +15,9 @@ loop, one small matmul per step. Here each layer is a `jax.custom_jvp`:
   whose input term `A_t = dx_t W + x_t dW + h_{t-1} dR + db` is computed for
   all steps at once, outside the loop, as matmuls over `[T, B, .]` (kept
   three-dimensional: reshaping to `[T*B, .]` would merge a sharded batch axis
-  away, which explicit sharding refuses; see tests/sharded_cases.py).
+  away, which explicit sharding refuses; see tests/sharded_cases.py). A GRU
+  adds those terms, each times its own coefficients, to `dh_t` instead
+  (`_layer_jvp`).
 Reverse mode is JAX transposing that linear tangent: the loop carries only
 `dh, dc` and does one matmul per step (`du_t R^T`), and the weight gradients
 become single large matmuls (`x^T du`, `h_{t-1}^T du`) after it, the way cuDNN
@@ -152,8 +154,8 @@ def _gru_cell(xp, rec, h, c, coefficients):
   # dh' = (1-z) dn + (h-n) dz + z dh, with dn = (1-n^2)(dx_n + dr r_n + r dr_n),
   # dr = r(1-r)(dx_r + drec_r), dz = z(1-z)(dx_z + drec_z).
   # The input part is multiplied by K = [k_r, k_z, k_n], the recurrent part by
-  # the same with k_n * r in the last block (formed in the tangent loop, so
-  # that only K, r and z are kept per step).
+  # the same with k_n * r in the last block (formed where it is used, so that
+  # only K, r and z are kept per step).
   k_n = (1 - n * n) * (1 - z)
   k_r = k_n * r * (1 - r) * r_n
   k_z = z * (1 - z) * (h - n)
@@ -324,8 +326,15 @@ def _layer_jvp(mode, operands, primals, tangents):
   lstm, gru = mode == "lstm", mode == "gru"
 
   # The input term of the tangent for every step at once: A_t (added to the
-  # recurrent pre-activation tangent inside the loop) and, for GRU, the input
-  # part X_t of dh', whose coefficients differ from the recurrent part's.
+  # recurrent pre-activation tangent inside the loop) or, for GRU, X_t (added
+  # to dh' itself). A GRU's `n` gate multiplies its input and recurrent terms
+  # by different coefficients (`_gru_cell`), so its input terms (dx W, x dW,
+  # dbW) and its recurrent weights' terms (h dR, dbR) are each multiplied by
+  # their own and summed into X_t, of `[T, B, H]`, and the loop adds nothing
+  # to the pre-activations. Reverse mode then stacks one `[T, B, H]` cotangent
+  # over the steps, not that and a `[T, B, 3H]` one (A_t): GRU
+  # forward+backward, B16 T256 I128 H256, 81 -> 74 ms and 61.5 -> 57.5 MiB;
+  # bfloat16 66 -> 56 ms, 49.8 -> 43.8 MiB (benchmarks/NOTES.md, session 24).
   def term(*terms):  # a [T, B, .] sum of [T, B, .] and bias terms, None if all zero
     total = _sum(*terms)
     return None if total is None else jnp.broadcast_to(total, (T, B, total.shape[-1]))
@@ -341,9 +350,16 @@ def _layer_jvp(mode, operands, primals, tangents):
     dw = None if W is None or _zero(tW[d]) else matmul(xs[d], tW[d])
     dr = None if _zero(tR[d]) else matmul(hprev, tR[d])
     if gru:
-      ax = term(dx, dw, tbW[d])
-      X.append(None if ax is None else _blocksum(ax * res[d][0], g))
-      A.append(term(dr, tbR[d]))
+      K, r, _ = res[d]
+      parts = []
+      ax = _sum(dx, dw, tbW[d])
+      if ax is not None:
+        parts.append(ax * K)
+      ar = _sum(dr, tbR[d])
+      if ar is not None:  # the recurrent coefficients: k_n * r in the n block
+        parts.append(ar * K * jnp.concatenate([jnp.ones_like(K[..., :2 * r.shape[-1]]), r], -1))
+      X.append(term(_blocksum(_sum(*parts), g)) if parts else None)
+      A.append(None)
     else:
       A.append(term(dx, dw, dr, tbW[d], tbR[d]))
       X.append(None)
