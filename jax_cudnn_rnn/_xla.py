@@ -15,9 +15,9 @@ loop, one small matmul per step. Here each layer is a `jax.custom_jvp`:
   whose input term `A_t = dx_t W + x_t dW + h_{t-1} dR + db` is computed for
   all steps at once, outside the loop, as matmuls over `[T, B, .]` (kept
   three-dimensional: reshaping to `[T*B, .]` would merge a sharded batch axis
-  away, which explicit sharding refuses; see tests/sharded_cases.py). A GRU
-  adds those terms, each times its own coefficients, to `dh_t` instead
-  (`_layer_jvp`).
+  away, which explicit sharding refuses; see tests/sharded_cases.py). LSTM
+  and GRU add those terms already multiplied by `K_t` to `dc_t`, `dh_t`
+  instead (`_layer_jvp`).
 Reverse mode is JAX transposing that linear tangent: the loop carries only
 `dh, dc` and does one matmul per step (`du_t R^T`), and the weight gradients
 become single large matmuls (`x^T du`, `h_{t-1}^T du`) after it, the way cuDNN
@@ -326,15 +326,20 @@ def _layer_jvp(mode, operands, primals, tangents):
   lstm, gru = mode == "lstm", mode == "gru"
 
   # The input term of the tangent for every step at once: A_t (added to the
-  # recurrent pre-activation tangent inside the loop) or, for GRU, X_t (added
-  # to dh' itself). A GRU's `n` gate multiplies its input and recurrent terms
-  # by different coefficients (`_gru_cell`), so its input terms (dx W, x dW,
-  # dbW) and its recurrent weights' terms (h dR, dbR) are each multiplied by
-  # their own and summed into X_t, of `[T, B, H]`, and the loop adds nothing
-  # to the pre-activations. Reverse mode then stacks one `[T, B, H]` cotangent
-  # over the steps, not that and a `[T, B, 3H]` one (A_t): GRU
-  # forward+backward, B16 T256 I128 H256, 81 -> 74 ms and 61.5 -> 57.5 MiB;
-  # bfloat16 66 -> 56 ms, 49.8 -> 43.8 MiB (benchmarks/NOTES.md, session 24).
+  # recurrent pre-activation tangent inside the loop) for the plain RNNs; for
+  # LSTM and GRU, X_t: the same terms already multiplied by their coefficients
+  # and summed per gate into what the step adds to dc' and dh' (LSTM,
+  # `[T, B, 2H]`) or to dh' (GRU, `[T, B, H]`), so that the loop adds nothing
+  # to the pre-activations. Reverse mode then stacks that narrower cotangent
+  # over the steps instead of one of `[T, B, g*H]`. A GRU's `n` gate
+  # multiplies its input and recurrent terms by different coefficients
+  # (`_gru_cell`), so its input terms (dx W, x dW, dbW) and its recurrent
+  # weights' terms (h dR, dbR) are each multiplied by their own; before, it
+  # stacked a `[T, B, 3H]` cotangent besides its `[T, B, H]` one. Forward+
+  # backward, interleaved A/Bs: GRU B16 T256 I128 H256 81 -> 74 ms, 61.5 ->
+  # 57.5 MiB; in bfloat16 66 -> 56 ms, 49.8 -> 43.8 MiB; LSTM B32 T100 I256
+  # H256, 2 bidirectional layers, 188.7 -> 163.6 MiB at the same speed
+  # (benchmarks/NOTES.md, session 24).
   def term(*terms):  # a [T, B, .] sum of [T, B, .] and bias terms, None if all zero
     total = _sum(*terms)
     return None if total is None else jnp.broadcast_to(total, (T, B, total.shape[-1]))
@@ -360,6 +365,14 @@ def _layer_jvp(mode, operands, primals, tangents):
         parts.append(ar * K * jnp.concatenate([jnp.ones_like(K[..., :2 * r.shape[-1]]), r], -1))
       X.append(term(_blocksum(_sum(*parts), g)) if parts else None)
       A.append(None)
+    elif lstm:  # X_t = [the i, f, g blocks of A K summed (into dc'), the o block (into dh')]
+      a = _sum(dx, dw, dr, tbW[d], tbR[d])
+      if a is None:
+        X.append(None)
+      else:
+        a_i, a_f, a_g, a_o = jnp.split(a * res[d][0], 4, axis=-1)
+        X.append(term(jnp.concatenate([a_i + a_f + a_g, a_o], -1)))
+      A.append(None)
     else:
       A.append(term(dx, dw, dr, tbW[d], tbR[d]))
       X.append(None)
@@ -384,6 +397,10 @@ def _layer_jvp(mode, operands, primals, tangents):
         K, f, k_h = res_t[d]
         u_i, u_f, u_g, u_o = jnp.split(pre * K, 4, axis=-1)
         dc = u_i + u_f + u_g + f * dcs[d]
+        if X_t[d] is not None:
+          x_c, x_h = jnp.split(X_t[d], 2, axis=-1)
+          dc = dc + x_c
+          u_o = u_o + x_h
         dh = u_o + k_h * dc
       elif gru:
         K, r, z = res_t[d]
