@@ -36,34 +36,58 @@ def _compute_dtype(dtype: np.dtype) -> np.dtype:
   return np.dtype(jnp.float32) if dtype.itemsize < 4 else dtype
 
 
-def _layer_params(spec, params: jax.Array, layer: int):
+def param_blocks(spec, params: jax.Array) -> dict:
+  """The opaque buffer cut into its blocks, in one `split`.
+
+  A block is the `g` tensors of one side of one (layer, direction), which lie
+  contiguous in the buffer: the input matrices `W_0..W_{g-1}`, the recurrent
+  ones `R_0..R_{g-1}`, or either side's biases. The blocks tile the buffer.
+
+  Cutting them all at once, rather than slicing each layer's out of the whole
+  buffer, makes the gradient a single concatenation of the blocks' cotangents
+  (the transpose of a split) instead of a sum of zero-padded full-size arrays
+  (the transpose of each slice). XLA:CPU fused that sum, together with every
+  layer's weight-gradient matmuls, into one kernel at the very end of the
+  backward pass, which kept each layer's `[T, B, 3H]` GRU cotangents alive
+  until then. GRU forward+backward, interleaved A/B (ms, MiB of XLA temp
+  buffers): B32 T100 I256 H256 3 layers 224 -> 191, 139.5 -> 99.0; 2
+  bidirectional layers 325 -> 289, 196.4 -> 141.7 (in bfloat16 228 -> 202);
+  B64 T100 I128 H256 2 bidirectional layers 602 -> 549, 369 -> 272. The
+  LSTM's matmuls were not fused so, and it and one-layer models are unchanged
+  (benchmarks/NOTES.md, session 26).
+
+  Returns:
+    `{(layer, direction, kind, side): block}`, `kind` "weight" or "bias",
+    `side` 0 (input) or 1 (recurrent); a weight block is `[g*H, in]` (`in`
+    being `H` on the recurrent side), as the opaque buffer holds it, a bias
+    block `[g*H]`. Under skip_input layer 0 has no input weight block.
+  """
+  weight_entries, bias_entries = _layout.tensors(spec)
+  g = spec.num_gates
+  firsts = sorted((t for t in weight_entries + bias_entries if t.index % g == 0),
+                  key=lambda t: t.offset)
+  pieces = jnp.split(params, [t.offset for t in firsts[1:]])
+  return {(t.layer, t.direction, t.kind, t.index // g):
+          piece.reshape((g * t.shape[0],) + t.shape[1:]) for t, piece in zip(firsts, pieces)}
+
+
+def _layer_params(spec, blocks: dict, layer: int):
   """Per-direction params of `layer`, as lists indexed by direction.
+
+  Args:
+    blocks: `param_blocks` of the opaque buffer.
 
   Returns:
     `(W, R, bW, bR)`: `W[d] [in, g*H]` (W is None under skip_input at layer
     0), `R[d] [H, g*H]` (both transposed for `x @ W`), `bW[d], bR[d] [g*H]`.
   """
-  weight_entries, bias_entries = _layout.tensors(spec)
-  g = spec.num_gates
+  def side(kind, index):
+    out = [blocks.get((layer, d, kind, index)) for d in range(spec.num_dirs)]
+    return None if out[0] is None else out
 
-  def block(entries, kind_index_start):
-    # The g tensors of one side (input or recurrent) of one direction are
-    # contiguous in the opaque buffer: slice them as a single [g*H, ...] block.
-    out = []
-    for direction in range(spec.num_dirs):
-      first = next((t for t in entries if t.layer == layer and t.direction == direction
-                    and t.index == kind_index_start), None)
-      if first is None:
-        return None
-      rows = g * first.shape[0]
-      out.append(params[first.offset:first.offset + g * first.size].reshape(
-          (rows,) + first.shape[1:]))
-    return out
-
-  W, R = block(weight_entries, 0), block(weight_entries, g)
-  bW, bR = block(bias_entries, 0), block(bias_entries, g)
+  W, R = side("weight", 0), side("weight", 1)
   W = None if W is None else [w.T for w in W]
-  return W, [r.T for r in R], bW, bR
+  return W, [r.T for r in R], side("bias", 0), side("bias", 1)
 
 
 def _reverse_in_time(x: jax.Array, seq_lengths: jax.Array | None) -> jax.Array:
@@ -178,12 +202,13 @@ def _recurrence(mode, xs, valid, h0, c0, W, R, bW, bR):
   return forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR)[:3]
 
 
-def _run_layer(spec, x, h0, c0, params, layer, seq_lengths, recurrence=_recurrence):
-  """One layer, all directions. `x [T, B, in]`, `h0/c0 [D, B, H]`.
+def _run_layer(spec, x, h0, c0, blocks, layer, seq_lengths, recurrence=_recurrence):
+  """One layer, all directions. `x [T, B, in]`, `h0/c0 [D, B, H]`, `blocks`
+  the `param_blocks` of the opaque buffer.
 
   `recurrence` has the signature of `_recurrence` (`_xla._layer` is the fast one).
   """
-  W, R, bW, bR = _layer_params(spec, params, layer)
+  W, R, bW, bR = _layer_params(spec, blocks, layer)
   D = spec.num_dirs
   xs = (x,) if D == 1 else (x, _reverse_in_time(x, seq_lengths))
   valid = None
@@ -213,7 +238,8 @@ def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None,
     dropout_key: PRNG key, used when `apply_dropout`.
     apply_dropout: whether to drop the outputs of layers `0 .. L-2`.
     time_major: layout of `x` and of the returned output.
-    run_layer: runs one layer, all directions (`_xla.run_layer` is the fast one).
+    run_layer: runs one layer, all directions, as `_run_layer` (`_xla.run_layer`
+      is the fast one).
 
   Returns:
     `(y, h, c)` with `c` None for models without a cell state.
@@ -225,10 +251,11 @@ def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None,
   if not time_major:
     x = jnp.swapaxes(x, 0, 1)
   D = spec.num_dirs
+  blocks = param_blocks(spec, params)
   hs, cs = [], []
   for layer in range(spec.num_layers):
     sl = slice(layer * D, (layer + 1) * D)
-    x, h, c = run_layer(spec, x, h0[sl], None if c0 is None else c0[sl], params,
+    x, h, c = run_layer(spec, x, h0[sl], None if c0 is None else c0[sl], blocks,
                          layer, seq_lengths)
     hs.append(h)
     cs.append(c)

@@ -74,13 +74,14 @@ T256 I128 H256 94 -> 69, GRU same shape 66 -> 49, LSTM B32 T100 I256 H256,
 float16 operands were no faster on that machine than float32 ones, so float16
 models multiply in float32.
 
-How the forward reads the weights. `_reference._layer_params` slices them out
-of the opaque buffer and transposes them (`W [in, g*H]`, `R [H, g*H]`), which
-XLA:CPU does at about 1 ns an element (an LSTM I256 H256's two matrices, 2
-MiB: about 0.35 ms a call). For one step (T = 1: decoding) or one sequence
-(B = 1: matrix-vector products), `_forward` multiplies by the opaque blocks
-as they lie instead (`_reads_opaque_orientation`, `_opaque_matmul`): a
-one-step LSTM call B1 I256 H256 took 0.52 -> 0.27 ms. Either way the
+How the forward reads the weights. `_reference._layer_params` takes them from
+the opaque buffer's blocks (`_reference.param_blocks`) and transposes them
+(`W [in, g*H]`, `R [H, g*H]`), which XLA:CPU does at about 1 ns an element
+(an LSTM I256 H256's two matrices, 2 MiB: about 0.35 ms a call). For one
+step (T = 1: decoding) or one sequence (B = 1: matrix-vector products),
+`_forward` multiplies by the opaque blocks as they lie instead
+(`_reads_opaque_orientation`, `_opaque_matmul`): a one-step LSTM call B1
+I256 H256 took 0.52 -> 0.27 ms. Either way the
 prepared weights and biases go through an `optimization_barrier`, so that
 XLA hoists their slicing (and transposes) out of a loop around the call, a
 decoder's `lax.scan` of one-step calls: without it, XLA sliced (copied) them
@@ -427,10 +428,11 @@ def _layer_jvp(mode, operands, primals, tangents):
 _layer.defjvp(_layer_jvp, symbolic_zeros=True)
 
 
-def run_layer(spec, x, h0, c0, params, layer, seq_lengths):
-  """`_reference._run_layer` over this file's recurrence, for `spec`'s dtype."""
+def run_layer(spec, x, h0, c0, blocks, layer, seq_lengths):
+  """`_reference._run_layer` over this file's recurrence, for `spec`'s dtype;
+  `blocks` the `_reference.param_blocks` of the opaque buffer."""
   recurrence = lambda mode, *args: _layer(mode, operand_dtype(spec.dtype), *args)
-  return _reference._run_layer(spec, x, h0, c0, params, layer, seq_lengths,
+  return _reference._run_layer(spec, x, h0, c0, blocks, layer, seq_lengths,
                                recurrence=recurrence)
 
 

@@ -169,6 +169,50 @@ def test_forward_and_derivative_chunk_lengths():
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 @pytest.mark.parametrize("direction", ["unidirectional", "bidirectional"])
+@pytest.mark.parametrize("input_mode", ["linear_input", "skip_input"])
+def test_param_blocks_hold_the_canonical_tensors(cls, direction, input_mode):
+  """Each block is its side's g canonical tensors stacked (weights `[g*H, in]`,
+  biases `[g*H]`), and the blocks tile the buffer: skip_input's layer 0 has no
+  input weight block."""
+  spec = cls(2, 4, 4, input_mode=input_mode, direction=direction)
+  weights, biases = random_canonical(spec)
+  blocks = _reference.param_blocks(spec, spec.canonical_to_params(weights, biases))
+  g, D = spec.num_gates, spec.num_dirs
+  expected = {}
+  w, b = iter(weights), iter(biases)
+  for layer in range(2):
+    for d in range(D):
+      for side in (0, 1):
+        if not (side == 0 and layer == 0 and input_mode == "skip_input"):
+          expected[(layer, d, "weight", side)] = np.concatenate([next(w) for _ in range(g)])
+      for side in (0, 1):
+        expected[(layer, d, "bias", side)] = np.concatenate([next(b) for _ in range(g)])
+  assert next(w, None) is None and next(b, None) is None
+  assert sorted(blocks) == sorted(expected)
+  for key, want in expected.items():
+    np.testing.assert_array_equal(blocks[key], want, err_msg=str(key))
+  assert sum(v.size for v in blocks.values()) == spec.params_size()
+
+
+def test_params_gradient_is_one_concatenation():
+  """The gradient of the opaque buffer is assembled by one concatenation of
+  the blocks' cotangents, with no buffer-sized zero padding summed per layer
+  (`_reference.param_blocks`: XLA:CPU fused such a sum with every layer's
+  weight-gradient matmuls, keeping each layer's cotangents alive to the end),
+  and it equals the reference's."""
+  spec, (x, h, c, params) = _setup(jcr.CudnnGRU, 3, "unidirectional", "linear_input", T=5)
+  loss = lambda p: jnp.sum(_xla.rnn(spec, x, h, c, p)[0] ** 2)
+  size = spec.params_size()
+  eqns = list(_equations(jax.make_jaxpr(jax.grad(loss))(params)))
+  full = lambda e, name: e.primitive.name == name and e.outvars[0].aval.shape == (size,)
+  assert sum(full(e, "concatenate") for e in eqns) == 1
+  assert not any(full(e, "pad") or full(e, "add_any") for e in eqns)
+  ref = jax.grad(lambda p: jnp.sum(_reference.rnn(spec, x, h, c, p)[0] ** 2))(params)
+  assert relative_error(jax.grad(loss)(params), ref) < 1e-5
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("direction", ["unidirectional", "bidirectional"])
 def test_chunked_forward_matches_reference(cls, direction):
   """36 steps: four chunks of nine (the forward alone) or nine of four (the
   derivative's forward). One sequence ends inside the third chunk of nine, the
@@ -361,7 +405,7 @@ def test_bfloat16_rounds_only_the_matmul_operands(cls, T):
   for layer in range(2):
     states = slice(2 * layer, 2 * layer + 2)
     y, _, _ = _xla.run_layer(spec, y, f32(h)[states], None if c is None else f32(c)[states],
-                             f32(params), layer, None)
+                             _reference.param_blocks(spec, f32(params)), layer, None)
   up = lambda a: None if a is None else np.asarray(a, np.float64)
   args = (spec.rnn_mode, 2, True, False, [up(w) for w in weights], [up(b) for b in biases],
           up(x), up(h), up(c))
@@ -393,7 +437,8 @@ def test_bfloat16_opaque_products_round_as_the_transposed_ones(cls, T, B, monkey
     y = x
     for layer in range(2):
       states = slice(2 * layer, 2 * layer + 2)
-      y, _, _ = jax.jit(lambda y, h, c: _xla.run_layer(spec, y, h, c, params, layer, None))(
+      blocks = _reference.param_blocks(spec, params)
+      y, _, _ = jax.jit(lambda y, h, c: _xla.run_layer(spec, y, h, c, blocks, layer, None))(
           y, h[states], None if c is None else c[states])
     return np.asarray(y, np.float64)
 
