@@ -76,27 +76,26 @@ models multiply in float32.
 
 How the forward reads the weights. `_reference._layer_params` takes them from
 the opaque buffer's blocks (`_reference.param_blocks`) and transposes them
-(`W [in, g*H]`, `R [H, g*H]`), which XLA:CPU does at about 1 ns an element
-(an LSTM I256 H256's two matrices, 2 MiB: about 0.35 ms a call). For one
-step (T = 1: decoding) or one sequence (B = 1: matrix-vector products),
-`_forward` multiplies by the opaque blocks as they lie instead
-(`_reads_opaque_orientation`, `_opaque_matmul`): a one-step LSTM call B1
-I256 H256 took 0.52 -> 0.27 ms. Either way the
-prepared weights and biases go through an `optimization_barrier`, so that
-XLA hoists their slicing (and transposes) out of a loop around the call, a
-decoder's `lax.scan` of one-step calls: without it, XLA sliced (copied) them
-out of the buffer on every trip, for a slice is not worth hoisting on its
-own (a decoder of 16 one-step calls, LSTM B8 I256 H256: 3.69 -> 1.82 ms,
-Flax's cell 2.39; B1: 7.27 -> 0.87 ms, Flax's 1.17). A one-step call on a
-batch of more than one is a compromise: in a loop, the per-step products
-against the opaque blocks can be slower than against transposed ones (LSTM
-B8 I64 H128, 16 steps: 0.68 ms; transposed and hoisted, 0.61 ms), but
-transposing makes a single call about twice as slow (LSTM B8 I256 H256: 0.34
-ms opaque, 0.85 ms transposed; 0.43 ms before), and a single call from
-Python per token is the other common way to decode; so one-step calls keep
-the opaque blocks, faster than before in both patterns but for the smallest
-models' single call (GRU B1 I64 H128: 25 -> 57 us); all figures from one
-process, interleaved (benchmarks/NOTES.md, session 22).
+(`W [in, g*H]`, `R [H, g*H]`), which XLA:CPU does at about 1 ns an element (an
+LSTM I256 H256's two matrices, 2 MiB: about 0.35 ms a call). For one step
+(T = 1: decoding) or one sequence (B = 1: matrix-vector products), `_forward`
+multiplies by the opaque blocks as they lie instead
+(`_reads_opaque_orientation`, `_opaque_matmul`): a one-step LSTM call B1 I256
+H256 took 0.52 -> 0.27 ms. Either way the prepared weights and biases go
+through an `optimization_barrier`, so that XLA hoists their slicing (and
+transposes) out of a loop around the call, a decoder's `lax.scan` of one-step
+calls: without it, XLA sliced (copied) them out of the buffer on every trip,
+for a slice is not worth hoisting on its own (a decoder of 16 one-step calls,
+LSTM B8 I256 H256: 3.69 -> 1.82 ms, Flax's cell 2.39; B1: 7.27 -> 0.87 ms,
+Flax's 1.17). A one-step call on a batch of more than one is a compromise: in
+a loop, the per-step products against the opaque blocks can be slower than
+against transposed ones (LSTM B8 I64 H128, 16 steps: 0.68 ms; transposed and
+hoisted, 0.61 ms), but transposing makes a single call about twice as slow
+(LSTM B8 I256 H256: 0.34 ms opaque, 0.85 ms transposed; 0.43 ms before), and a
+single call from Python per token is the other common way to decode; so
+one-step calls keep the opaque blocks, faster than before in both patterns but
+for the smallest models' single call (GRU B1 I64 H128: 25 -> 57 us); all
+figures from one process, interleaved (benchmarks/NOTES.md, session 22).
 
 The per-step recurrence and the per-layer plumbing are the reference's
 (`_reference.recurrent_step`, `_reference.forward_scan`,

@@ -434,10 +434,9 @@ def test_bfloat16_opaque_products_round_as_the_transposed_ones(cls, T, B, monkey
 
   def forward(opaque):
     monkeypatch.setattr(_xla, "_reads_opaque_orientation", lambda x: opaque)
-    y = x
+    y, blocks = x, _reference.param_blocks(spec, params)
     for layer in range(2):
       states = slice(2 * layer, 2 * layer + 2)
-      blocks = _reference.param_blocks(spec, params)
       y, _, _ = jax.jit(lambda y, h, c: _xla.run_layer(spec, y, h, c, blocks, layer, None))(
           y, h[states], None if c is None else c[states])
     return np.asarray(y, np.float64)
