@@ -402,10 +402,11 @@ def test_bfloat16_rounds_only_the_matmul_operands(cls, T):
   x, h, c = random_inputs(spec, T, 3)
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
   y = f32(x)  # what `_reference.rnn` hands each layer: float32 values
+  blocks = _reference.param_blocks(spec, f32(params))
   for layer in range(2):
     states = slice(2 * layer, 2 * layer + 2)
     y, _, _ = _xla.run_layer(spec, y, f32(h)[states], None if c is None else f32(c)[states],
-                             _reference.param_blocks(spec, f32(params)), layer, None)
+                             blocks, layer, None)
   up = lambda a: None if a is None else np.asarray(a, np.float64)
   args = (spec.rnn_mode, 2, True, False, [up(w) for w in weights], [up(b) for b in biases],
           up(x), up(h), up(c))
