@@ -317,6 +317,34 @@ def _sum(*terms):
   return functools.reduce(jnp.add, terms) if terms else None
 
 
+def _weight_tangent_matmul(mode, operands, matmul, dtype):
+  """How the tangent multiplies a layer's inputs or states `[T, B, in]` by a
+  weight matrix's tangent `[in, g*H]` (`x dW`, `h_{t-1} dR`): `matmul`, but
+  for a GRU multiplying in its own dtype (`operands` None), a `_rounded_dot`
+  in that dtype (no rounding).
+
+  The product's transpose is the weight gradient, a contraction over time and
+  batch. JAX's own transpose multiplies the cotangent by the inputs (`du^T x`,
+  `[g*H, in]`), and XLA:CPU runs that by first copying `du` transposed
+  (`[g*H, T*B]`, as large as the cotangent stacked over the steps) for a
+  YNNPACK matmul. `_rounded_dot`'s transpose multiplies the inputs by the
+  cotangent (`x^T du`, `[in, g*H]`, its result behind a barrier, transposed
+  into the opaque layout by the gradient's concatenation), for which XLA copies
+  the smaller `x` transposed instead (the bfloat16 models' products always
+  did). A GRU's input and recurrent weights meet different cotangents
+  (`_gru_cell`), so that saves two copies of `[T, B, 3H]`: forward+backward,
+  interleaved A/Bs (ms, MiB): GRU B16 T256 I128 H256 73.8 -> 71.9, 57.5 ->
+  49.5; B64 T32 I128 H256 30.8 -> 27.4, 28.5 -> 24.5; B32 T100 I256 H256, 3
+  layers, 99.0 -> 92.7 MiB at the same speed (benchmarks/NOTES.md, session 27).
+  The LSTM and the plain RNNs share one cotangent between their two weight
+  gradients, whose one copy feeds both matmuls; there the other orientation
+  measured slower (LSTM B32 T100 I256 H256, 3 layers: 235.5 -> 242.7 ms).
+  """
+  if mode != "gru" or operands is not None:
+    return matmul
+  return functools.partial(_rounded_dot.matmul, operands=dtype)
+
+
 def _layer_jvp(mode, operands, primals, tangents):
   xs, valid, h0, c0, W, R, bW, bR = primals
   txs, _, th0, tc0, tW, tR, tbW, tbR = tangents
@@ -352,8 +380,9 @@ def _layer_jvp(mode, operands, primals, tangents):
     hprev = jnp.concatenate([h0[d][None], ys[d][:-1]])
     Wd = None if W is None else round_(W[d])
     dx = None if _zero(txs[d]) else _reference.project(txs[d], Wd, g, matmul)
-    dw = None if W is None or _zero(tW[d]) else matmul(xs[d], tW[d])
-    dr = None if _zero(tR[d]) else matmul(hprev, tR[d])
+    weights_matmul = _weight_tangent_matmul(mode, operands, matmul, xs[d].dtype)
+    dw = None if W is None or _zero(tW[d]) else weights_matmul(xs[d], tW[d])
+    dr = None if _zero(tR[d]) else weights_matmul(hprev, tR[d])
     if gru:
       K, r, _ = res[d]
       parts = []

@@ -24,7 +24,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _reference, _rounded_dot, _xla
+from jax_cudnn_rnn import _reference, _rounded_dot, _spec, _xla
 from helpers import SPEC_CLASSES, random_canonical, random_inputs, relative_error
 from numpy_rnn import numpy_rnn
 
@@ -209,6 +209,37 @@ def test_params_gradient_is_one_concatenation():
   assert not any(full(e, "pad") or full(e, "add_any") for e in eqns)
   ref = jax.grad(lambda p: jnp.sum(_reference.rnn(spec, x, h, c, p)[0] ** 2))(params)
   assert relative_error(jax.grad(loss)(params), ref) < 1e-5
+
+
+@pytest.mark.parametrize("cls, dtype, inputs_first", [
+    (jcr.CudnnGRU, jnp.float32, True),
+    (jcr.CudnnGRU, jnp.bfloat16, True),
+    (jcr.CudnnLSTM, jnp.float32, False),
+    (jcr.CudnnLSTM, jnp.bfloat16, True),
+    (jcr.CudnnRNNTanh, jnp.float32, False),
+])
+def test_weight_gradient_orientation(cls, dtype, inputs_first):
+  """The weight gradients multiply the layer's inputs by the cotangent
+  (`x^T du`, `[in, g*H]`) for a GRU and for bfloat16 models, and the cotangent
+  by the inputs (`du^T x`, `[g*H, in]`) otherwise
+  (`_xla._weight_tangent_matmul`); either way they equal the reference's."""
+  T, B = 7, 3
+  spec = cls(2, 4, 5, direction="bidirectional", dtype=dtype)
+  x, h, c = random_inputs(spec, T, B)
+  params = spec.init_params(jax.random.key(3))
+  loss = lambda impl: lambda p: jnp.sum(jnp.sin(impl(spec, x, h, c, p)[0].astype(jnp.float32)))
+  eqns = list(_equations(jax.make_jaxpr(jax.grad(loss(_xla.rnn)))(params)))
+  # The weight gradients: products of the cotangents by a layer's inputs (5 or
+  # 8 wide) or its states (4 wide), contracting time and batch.
+  gH = _spec.NUM_GATES[spec.rnn_mode] * 4
+  products = [e.outvars[0].aval.shape for e in eqns
+              if e.primitive.name in ("dot_general", "jcr_rounded_dot")
+              and len(e.params["dimension_numbers"][0][0]) == 2]
+  assert len(products) == 2 * 2 * 2, products  # W and R of 2 layers x 2 directions
+  assert all(p == ((p[0], gH) if inputs_first else (gH, p[1])) for p in products), products
+  want = jax.grad(loss(_reference.rnn))(params)
+  assert relative_error(jax.grad(loss(_xla.rnn))(params), want) < (
+      1e-5 if dtype == jnp.float32 else 4e-3)
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
