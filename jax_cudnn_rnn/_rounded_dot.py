@@ -29,7 +29,9 @@ them; everything element-wise stays float32.
 A file DESIGN's layout does not list (nor `_xla`, whose docstring says why
 it exists): it holds one idea, a JAX primitive with its own abstract
 evaluation, lowering, differentiation and batching rules, which knows
-nothing of RNNs; `_xla` uses it for bfloat16 models.
+nothing of RNNs; `_xla` uses it for bfloat16 models, and, rounding to the
+operands' own dtype (no rounding), for a GRU's weight gradients, for the
+orientation its transposes take (`_xla._weight_tangent_matmul`).
 """
 
 from __future__ import annotations
