@@ -375,12 +375,12 @@ def _layer_jvp(mode, operands, primals, tangents):
   # A bfloat16 model's tangent multiplies bfloat16 operands too, through
   # `_rounded_dot`, whose transposes (the backward pass's matmuls) do as well.
   dot_general, matmul, round_ = _products(operands)
+  weights_matmul = _weight_tangent_matmul(mode, operands, matmul, xs[0].dtype)
   A, X = [], []
   for d in range(D):
     hprev = jnp.concatenate([h0[d][None], ys[d][:-1]])
     Wd = None if W is None else round_(W[d])
     dx = None if _zero(txs[d]) else _reference.project(txs[d], Wd, g, matmul)
-    weights_matmul = _weight_tangent_matmul(mode, operands, matmul, xs[d].dtype)
     dw = None if W is None or _zero(tW[d]) else weights_matmul(xs[d], tW[d])
     dr = None if _zero(tR[d]) else weights_matmul(hprev, tR[d])
     if gru:

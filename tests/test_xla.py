@@ -24,7 +24,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _reference, _rounded_dot, _spec, _xla
+from jax_cudnn_rnn import _reference, _rounded_dot, _xla
 from helpers import SPEC_CLASSES, random_canonical, random_inputs, relative_error
 from numpy_rnn import numpy_rnn
 
@@ -231,7 +231,7 @@ def test_weight_gradient_orientation(cls, dtype, inputs_first):
   eqns = list(_equations(jax.make_jaxpr(jax.grad(loss(_xla.rnn)))(params)))
   # The weight gradients: products of the cotangents by a layer's inputs (5 or
   # 8 wide) or its states (4 wide), contracting time and batch.
-  gH = _spec.NUM_GATES[spec.rnn_mode] * 4
+  gH = spec.num_gates * 4
   products = [e.outvars[0].aval.shape for e in eqns
               if e.primitive.name in ("dot_general", "jcr_rounded_dot")
               and len(e.params["dimension_numbers"][0][0]) == 2]
