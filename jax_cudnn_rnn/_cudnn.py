@@ -49,7 +49,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_cudnn_rnn import _dropout, _layout, _partition
+from jax_cudnn_rnn import _dropout, _layout, _partition, _reference
 
 LIBRARY_NAME = "libjax_cudnn_rnn.so"
 CELL_MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}
@@ -460,16 +460,27 @@ def _fused_bwd(cfg, residuals, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _layer_params(spec, params, layer: int):
-  """The opaque buffer of `layer` alone, as a one-layer spec would have it."""
-  weights, biases = _layout.tensors(spec)
-  pieces = [params[t.offset:t.offset + t.size]
-            for t in (*weights, *biases) if t.layer == layer]
-  return jnp.concatenate(pieces)
+def _layer_buffers(spec, params) -> list:
+  """The opaque buffer of each layer alone, as a one-layer spec would have it.
+
+  A layer's buffer is its weight blocks then its bias blocks (each direction's
+  input side then recurrent side), taken from one `_reference.param_blocks`
+  split of the whole buffer, so the gradient of `params` is one concatenation
+  of the blocks' cotangents rather than a sum of a zero-padded buffer-sized
+  array per layer (the reason `param_blocks` exists; benchmarks/NOTES.md,
+  session 26).
+  """
+  blocks = _reference.param_blocks(spec, params)
+  layers = []
+  for layer in range(spec.num_layers):
+    keys = sorted((k for k in blocks if k[0] == layer),
+                  key=lambda k: (k[2] != "weight", k[1], k[3]))
+    layers.append(jnp.concatenate([blocks[k].reshape(-1) for k in keys]))
+  return layers
 
 
 def _layer_spec(spec, layer: int):
-  """The one-layer spec whose buffer `_layer_params(spec, ., layer)` is."""
+  """The one-layer spec whose buffer is `_layer_buffers(spec, .)[layer]`."""
   skip = spec.input_mode == "skip_input" and layer == 0
   return dataclasses.replace(spec, num_layers=1, input_size=spec.layer_input_size(layer),
                              input_mode="skip_input" if skip else "linear_input", dropout=0.0)
@@ -547,10 +558,11 @@ def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None, apply_dr
   else:
     D = spec.num_dirs
     hs, cs, y = [], [], x
+    layer_params = _layer_buffers(spec, params)
     for layer in range(spec.num_layers):
       sl = slice(layer * D, (layer + 1) * D)
       y, h, c = _run_fused(_layer_spec(spec, layer), y, h0[sl],
-                           None if c0 is None else c0[sl], _layer_params(spec, params, layer),
+                           None if c0 is None else c0[sl], layer_params[layer],
                            lengths, has_lengths, time_major)
       hs.append(h)
       cs.append(c)

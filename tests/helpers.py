@@ -24,6 +24,16 @@ def relative_error(got, want) -> float:
   return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
+def jaxpr_equations(jaxpr):
+  """Every equation of a jaxpr and of the jaxprs nested in it (scans, custom_jvp)."""
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:  # a ClosedJaxpr's Jaxpr
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+          yield from jaxpr_equations(sub)
+
+
 def canonical_shapes(spec):
   """Canonical shapes from the documented order, computed independently of `_layout`."""
   g, H, D = GATES[spec.rnn_mode], spec.num_units, 2 if spec.direction == "bidirectional" else 1

@@ -23,7 +23,7 @@ import pytest
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _cudnn
 from handler_model import HandlerModel
-from helpers import SPEC_CLASSES, call, random_inputs
+from helpers import SPEC_CLASSES, call, jaxpr_equations, random_inputs
 
 
 @pytest.fixture
@@ -98,6 +98,21 @@ def test_dropout_runs_layer_by_layer_with_the_reference_masks(handlers, cls):
                seq_lengths=jnp.array([4, 3], jnp.int32))
   assert handlers.calls == {"jcr_rnn_forward_training": 3, "jcr_rnn_backward_data": 3,
                             "jcr_rnn_backward_weights": 3}
+
+
+def test_dropout_params_gradient_is_one_concatenation(handlers):
+  """With dropout each layer's call takes its own buffer (`_cudnn._layer_buffers`),
+  cut from one split of the opaque buffer: the gradient is one concatenation of
+  the blocks' cotangents, not a buffer-sized zero-padded array per layer summed."""
+  spec = jcr.CudnnGRU(3, 4, 3, dropout=0.4, direction="bidirectional", dtype=jnp.float64)
+  x, h, _, params = _inputs(spec, 4, 2, True)
+  loss = lambda p: jnp.sum(jnp.sin(spec(x, h, p, dropout_key=jax.random.key(7),
+                                        implementation="cudnn")[0]))
+  size = spec.params_size()
+  eqns = list(jaxpr_equations(jax.make_jaxpr(jax.grad(loss))(params)))
+  full = lambda e, name: e.primitive.name == name and e.outvars[0].aval.shape == (size,)
+  assert sum(full(e, "concatenate") for e in eqns) == 1
+  assert not any(full(e, "pad") or full(e, "add_any") for e in eqns)
 
 
 def test_inference_uses_the_inference_call(handlers):

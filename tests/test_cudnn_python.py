@@ -12,7 +12,7 @@ from jax_cudnn_rnn import _cudnn, _layout
 from helpers import random_canonical
 
 
-def test_layer_params_equal_single_layer_spec_buffers():
+def test_layer_buffers_equal_single_layer_spec_buffers():
   spec = jcr.CudnnLSTM(3, 4, 4, input_mode="skip_input", direction="bidirectional",
                        dtype=jnp.float64)
   weights, biases = random_canonical(spec)
@@ -24,7 +24,7 @@ def test_layer_params_equal_single_layer_spec_buffers():
                            direction="bidirectional", dtype=jnp.float64)
     nw = len(single.params_to_canonical(single.init_params(jax.random.key(0)))[0])
     expected = single.canonical_to_params(weights[w_at:w_at + nw], biases[b_at:b_at + 16])
-    np.testing.assert_array_equal(_cudnn._layer_params(spec, params, layer), expected)
+    np.testing.assert_array_equal(_cudnn._layer_buffers(spec, params)[layer], expected)
     w_at, b_at = w_at + nw, b_at + 16
 
 
@@ -160,7 +160,7 @@ def test_layer_spec_describes_the_layer_buffer():
     single = _cudnn._layer_spec(spec, layer)
     assert single.num_layers == 1 and single.dropout == 0.0
     assert single.input_mode == ("skip_input" if layer == 0 else "linear_input")
-    assert _cudnn._layer_params(spec, params, layer).shape == (single.params_size(),)
+    assert _cudnn._layer_buffers(spec, params)[layer].shape == (single.params_size(),)
 
 
 def test_default_implementation_falls_back_to_xla_where_cudnn_rejects_the_config(monkeypatch):

@@ -25,7 +25,8 @@ from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _reference, _rounded_dot, _xla
-from helpers import SPEC_CLASSES, random_canonical, random_inputs, relative_error
+from helpers import (SPEC_CLASSES, jaxpr_equations, random_canonical, random_inputs,
+                     relative_error)
 from numpy_rnn import numpy_rnn
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -142,19 +143,9 @@ def test_chunk_steps():
   assert {t: _xla.chunk_steps(t, _xla.DERIVATIVE_CHUNK) for t in expected} == expected
 
 
-def _equations(jaxpr):
-  """Every equation of a jaxpr and of the jaxprs nested in it (scans, custom_jvp)."""
-  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:  # a ClosedJaxpr's Jaxpr
-    yield eqn
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
-          yield from _equations(sub)
-
-
 def _scan_lengths(jaxpr) -> list[int]:
   """The trip counts of every `scan` in a jaxpr, nested ones included."""
-  return [eqn.params["length"] for eqn in _equations(jaxpr) if eqn.primitive.name == "scan"]
+  return [eqn.params["length"] for eqn in jaxpr_equations(jaxpr) if eqn.primitive.name == "scan"]
 
 
 def test_forward_and_derivative_chunk_lengths():
@@ -203,7 +194,7 @@ def test_params_gradient_is_one_concatenation():
   spec, (x, h, c, params) = _setup(jcr.CudnnGRU, 3, "unidirectional", "linear_input", T=5)
   loss = lambda p: jnp.sum(_xla.rnn(spec, x, h, c, p)[0] ** 2)
   size = spec.params_size()
-  eqns = list(_equations(jax.make_jaxpr(jax.grad(loss))(params)))
+  eqns = list(jaxpr_equations(jax.make_jaxpr(jax.grad(loss))(params)))
   full = lambda e, name: e.primitive.name == name and e.outvars[0].aval.shape == (size,)
   assert sum(full(e, "concatenate") for e in eqns) == 1
   assert not any(full(e, "pad") or full(e, "add_any") for e in eqns)
@@ -228,7 +219,7 @@ def test_weight_gradient_orientation(cls, dtype, inputs_first):
   x, h, c = random_inputs(spec, T, B)
   params = spec.init_params(jax.random.key(3))
   loss = lambda impl: lambda p: jnp.sum(jnp.sin(impl(spec, x, h, c, p)[0].astype(jnp.float32)))
-  eqns = list(_equations(jax.make_jaxpr(jax.grad(loss(_xla.rnn)))(params)))
+  eqns = list(jaxpr_equations(jax.make_jaxpr(jax.grad(loss(_xla.rnn)))(params)))
   # The weight gradients: products of the cotangents by a layer's inputs (5 or
   # 8 wide) or its states (4 wide), contracting time and batch.
   gH = spec.num_gates * 4
@@ -358,7 +349,7 @@ def _dots(jaxpr):
   """`(operand dtypes, result dtype)` of every product in a jaxpr and in the
   jaxprs nested in it (scans, custom_jvp): `dot_general`s, and
   `_rounded_dot`'s, whose operands are rounded to the dtype it names."""
-  for eqn in _equations(jaxpr):
+  for eqn in jaxpr_equations(jaxpr):
     if eqn.primitive.name == "dot_general":
       yield [v.aval.dtype for v in eqn.invars], eqn.outvars[0].aval.dtype
     if eqn.primitive is _rounded_dot.rounded_dot_p:
