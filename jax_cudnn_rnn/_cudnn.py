@@ -463,20 +463,16 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 def _layer_buffers(spec, params) -> list:
   """The opaque buffer of each layer alone, as a one-layer spec would have it.
 
-  A layer's buffer is its weight blocks then its bias blocks (each direction's
-  input side then recurrent side), taken from one `_reference.param_blocks`
-  split of the whole buffer, so the gradient of `params` is one concatenation
-  of the blocks' cotangents rather than a sum of a zero-padded buffer-sized
-  array per layer (the reason `param_blocks` exists; benchmarks/NOTES.md,
-  session 26).
+  The one-layer layout is the whole buffer's restricted to the layer (its
+  weight blocks, then its bias blocks), so a layer's buffer is its blocks in
+  the buffer's order, taken from one `_reference.param_blocks` split of the
+  whole buffer: the gradient of `params` is then one concatenation of the
+  blocks' cotangents rather than a sum of a zero-padded buffer-sized array
+  per layer (the reason `param_blocks` exists; benchmarks/NOTES.md, session 26).
   """
   blocks = _reference.param_blocks(spec, params)
-  layers = []
-  for layer in range(spec.num_layers):
-    keys = sorted((k for k in blocks if k[0] == layer),
-                  key=lambda k: (k[2] != "weight", k[1], k[3]))
-    layers.append(jnp.concatenate([blocks[k].reshape(-1) for k in keys]))
-  return layers
+  return [jnp.concatenate([block.reshape(-1) for (l, *_), block in blocks.items() if l == layer])
+          for layer in range(spec.num_layers)]
 
 
 def _layer_spec(spec, layer: int):
@@ -558,11 +554,11 @@ def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None, apply_dr
   else:
     D = spec.num_dirs
     hs, cs, y = [], [], x
-    layer_params = _layer_buffers(spec, params)
+    layer_buffers = _layer_buffers(spec, params)
     for layer in range(spec.num_layers):
       sl = slice(layer * D, (layer + 1) * D)
       y, h, c = _run_fused(_layer_spec(spec, layer), y, h0[sl],
-                           None if c0 is None else c0[sl], layer_params[layer],
+                           None if c0 is None else c0[sl], layer_buffers[layer],
                            lengths, has_lengths, time_major)
       hs.append(h)
       cs.append(c)

@@ -57,7 +57,8 @@ def param_blocks(spec, params: jax.Array) -> dict:
   (benchmarks/NOTES.md, session 26).
 
   Returns:
-    `{(layer, direction, kind, side): block}`, `kind` "weight" or "bias",
+    `{(layer, direction, kind, side): block}`, in the buffer's order,
+    `kind` "weight" or "bias",
     `side` 0 (input) or 1 (recurrent); a weight block is `[g*H, in]` (`in`
     being `H` on the recurrent side), as the opaque buffer holds it, a bias
     block `[g*H]`. Under skip_input layer 0 has no input weight block.

@@ -163,11 +163,13 @@ def test_forward_and_derivative_chunk_lengths():
 @pytest.mark.parametrize("input_mode", ["linear_input", "skip_input"])
 def test_param_blocks_hold_the_canonical_tensors(cls, direction, input_mode):
   """Each block is its side's g canonical tensors stacked (weights `[g*H, in]`,
-  biases `[g*H]`), and the blocks tile the buffer: skip_input's layer 0 has no
-  input weight block."""
+  biases `[g*H]`), and the blocks, in the dict's order, tile the buffer:
+  skip_input's layer 0 has no input weight block."""
   spec = cls(2, 4, 4, input_mode=input_mode, direction=direction)
   weights, biases = random_canonical(spec)
-  blocks = _reference.param_blocks(spec, spec.canonical_to_params(weights, biases))
+  params = spec.canonical_to_params(weights, biases)
+  blocks = _reference.param_blocks(spec, params)
+  np.testing.assert_array_equal(np.concatenate([v.reshape(-1) for v in blocks.values()]), params)
   g, D = spec.num_gates, spec.num_dirs
   expected = {}
   w, b = iter(weights), iter(biases)
