@@ -130,29 +130,30 @@ def _blocksum(u: jax.Array, blocks: int) -> jax.Array:
 
 
 def _lstm_cell(xp, rec, h, c, coefficients):
-  if not coefficients:
+  if coefficients:
+    # With the coefficients, the four gates go through one element-wise tanh over
+    # all 4H columns, sigmoid(x) = (1 + tanh(x/2)) / 2, whose derivative is then
+    # (1 - tanh^2) / 4 (the g gate: tanh, and 1 - tanh^2). Each gate's value
+    # feeds both the state and a coefficient, and XLA:CPU runs a value with
+    # several consumers as a kernel of its own: computed gate by gate, a step
+    # made about 15 small kernels, now 10. Interleaved A/Bs, float32, ms, the
+    # training forward (`jax.vjp`) and forward+backward: B16 T256 I128 H256
+    # 33.5 -> 30.0 and 97.9 -> 92.6; B64 T32 13.7 -> 11.9 and 33.4 -> 32.2;
+    # B32 T100 I256 H256, 2 bidirectional layers, 116 -> 120 and 365 -> 364;
+    # bfloat16 B16 T256 26.8 -> 22.8 and 68.8 -> 67.5 (benchmarks/NOTES.md,
+    # session 29). Its values differ from the plain forward's by rounding
+    # (float32: 1.5e-7 at most there).
+    scale = _lstm_gate_scale(c.shape[-1], xp.dtype)
+    t = jnp.tanh((xp + rec) * scale)
+    i, f, g, o = jnp.split(t * scale + (1 - scale), 4, axis=-1)
+  else:
     i, f, g, o = jnp.split(xp + rec, 4, axis=-1)
     i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
-    c_new = f * c + i * g
-    return o * jnp.tanh(c_new), c_new, ()
-  # With the coefficients, the four gates go through one element-wise tanh over
-  # all 4H columns, sigmoid(x) = (1 + tanh(x/2)) / 2, whose derivative is then
-  # (1 - tanh^2) / 4 (the g gate: tanh, and 1 - tanh^2). Each gate's value
-  # feeds both the state and a coefficient, and XLA:CPU runs a value with
-  # several consumers as a kernel of its own: computed gate by gate, a step
-  # made about 15 small kernels, now 10. Interleaved A/Bs, float32, ms, the
-  # training forward (`jax.vjp`) and forward+backward: B16 T256 I128 H256
-  # 33.5 -> 30.0 and 97.9 -> 92.6; B64 T32 13.7 -> 11.9 and 33.4 -> 32.2;
-  # B32 T100 I256 H256, 2 bidirectional layers, 116 -> 120 and 365 -> 364;
-  # bfloat16 B16 T256 26.8 -> 22.8 and 68.8 -> 67.5 (benchmarks/NOTES.md,
-  # session 29). Its values differ from the plain forward's by rounding
-  # (float32: 1.5e-7 at most there).
-  scale = _lstm_gate_scale(c.shape[-1], xp.dtype)
-  t = jnp.tanh((xp + rec) * scale)
-  i, f, g, o = jnp.split(t * scale + (1 - scale), 4, axis=-1)
   c_new = f * c + i * g
   tc = jnp.tanh(c_new)
   h_new = o * tc
+  if not coefficients:
+    return h_new, c_new, ()
   # dc' = di g + df c + i dg + f dc,  dh' = do tanh c' + o (1 - tanh^2 c') dc'
   K = (1 - t * t) * (scale * scale) * jnp.concatenate([g, c, i, tc], -1)
   return h_new, c_new, (K, f, o * (1 - tc * tc))
