@@ -34,6 +34,15 @@ def jaxpr_equations(jaxpr):
           yield from jaxpr_equations(sub)
 
 
+def assert_gradient_is_one_concatenation(grad_jaxpr, size: int) -> None:
+  """The gradient of a `size`-element opaque buffer in `grad_jaxpr` is built by
+  exactly one buffer-sized concatenation, with no buffer-sized pad or sum."""
+  eqns = list(jaxpr_equations(grad_jaxpr))
+  full = lambda e, name: e.primitive.name == name and e.outvars[0].aval.shape == (size,)
+  assert sum(full(e, "concatenate") for e in eqns) == 1
+  assert not any(full(e, "pad") or full(e, "add_any") for e in eqns)
+
+
 def canonical_shapes(spec):
   """Canonical shapes from the documented order, computed independently of `_layout`."""
   g, H, D = GATES[spec.rnn_mode], spec.num_units, 2 if spec.direction == "bidirectional" else 1
