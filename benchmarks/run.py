@@ -103,7 +103,7 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
                       lead_in: int = 1) -> dict:
   """Times every `fns[name]()` in round-robin rounds, so that a slow stretch of a noisy
   machine falls on all contenders alike; per name the median and interquartile range of
-  all `repeats` timings (after `warmup` untimed calls each). In every round each
+  all `repeats` timings (after `warmup` untimed calls each), and the timings. In every round each
   contender first makes `lead_in` untimed calls, so that each timed call follows a call
   of its own, as a training loop's steps do, and not another contender's: on a 2-core
   CPU, a JAX call made right after a PyTorch call ran 6-38% slower than one made after
@@ -136,8 +136,10 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
       out[name] = {"error": failed[name]}
       continue
     q1, median, q3 = np.percentile(samples[name], [25, 50, 75])
+    # Every timing too, in the order taken: a median with a wide range may hide two
+    # populations (session 31 in benchmarks/NOTES.md), which only the timings show.
     out[name] = {"median_s": float(median), "iqr_s": float(q3 - q1),
-                 "repeats": len(samples[name])}
+                 "repeats": len(samples[name]), "times_s": [float(t) for t in samples[name]]}
   return out
 
 

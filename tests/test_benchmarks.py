@@ -14,6 +14,7 @@ import pathlib
 import re
 import time
 
+import numpy as np
 import pytest
 
 from handler_model import HandlerModel
@@ -67,6 +68,7 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   assert set(results) == {(i, p) for i in timed for p in ("fwd", "fwd+bwd")}
   for (impl, _), r in results.items():
     assert r["median_s"] > 0 and r["repeats"] == 2 and r["shape"] == shape.name
+    assert len(r["times_s"]) == 2 and r["median_s"] == pytest.approx(np.median(r["times_s"]))
     if impl != "torch":  # XLA's memory analysis, on any backend
       assert r["memory_bytes"] > 0, r
       assert 0 < r["compile_s"] < 600, r
@@ -141,6 +143,9 @@ def test_lead_in_keeps_a_predecessors_slowdown_out_of_the_timings(lead_in):
     assert timed["a"]["median_s"] < 0.01, timed
   else:
     assert timed["a"]["median_s"] >= 0.03, timed
+  # Each timing is kept: here every one of "a"'s pays the penalty or none does.
+  assert len(timed["a"]["times_s"]) == 5
+  assert all((t >= 0.03) != bool(lead_in) for t in timed["a"]["times_s"]), timed
 
 
 def test_a_failing_contender_is_reported_and_the_others_timed():
