@@ -53,6 +53,7 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys)
       tokens = 3 if pattern == "loop" else 1
       assert r["tokens_per_call"] == tokens and r["repeats"] == 2
       assert r["per_token_s"] == pytest.approx(r["median_s"] / tokens)
+      assert len(r["times_s"]) == 2 and min(r["times_s"]) <= r["median_s"] <= max(r["times_s"])
 
   # The table: per-token microseconds, ratios against ours-cudnn on a GPU, else ours-xla.
   table = (tmp_path / written[1]).read_text()
