@@ -92,6 +92,35 @@ def test_flax_cells_round_trip_is_the_same_function(cls, direction, mode):
     np.testing.assert_array_equal(w1, w2)
 
 
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("mode", ["linear_input", "skip_input"])
+def test_flax_linen_cells_decode_as_our_one_step_calls(cls, mode):
+  """The README's way to decode a token per call from Python at the speed of
+  Flax's cells: the weights converted once (`to_flax_linen_cells`), then
+  Flax's cell (`flax_linen_cell`) applied layer after layer, each step; the
+  outputs and states equal our one-step calls' over several tokens."""
+  spec = _spec(cls, "unidirectional", mode)
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = random_inputs(spec, 6, 3)
+  cell = interop.flax_linen_cell(spec)
+  layers = interop.to_flax_linen_cells(spec, params)
+  flax_h, flax_c = list(h), (list(c) if c is not None else None)
+  for t in range(x.shape[0]):
+    y, h, c = call(spec, x[t:t + 1], h, c, params, is_training=False)
+    out = x[t]
+    for layer, (cell_params,) in enumerate(layers):  # [layer][direction], one direction
+      carry = (flax_c[layer], flax_h[layer]) if spec.has_cell_state else flax_h[layer]
+      carry, out = cell.apply({"params": cell_params}, carry, out)
+      if spec.has_cell_state:
+        flax_c[layer], flax_h[layer] = carry
+      else:
+        flax_h[layer] = carry
+    np.testing.assert_allclose(out, y[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.stack(flax_h), h, rtol=1e-12, atol=1e-12)
+    if spec.has_cell_state:
+      np.testing.assert_allclose(np.stack(flax_c), c, rtol=1e-12, atol=1e-12)
+
+
 def test_flax_cells_refuse_wrong_cell():
   spec = jcr.CudnnGRU(1, 4, 3)
   cells = interop.to_flax_linen_cells(jcr.CudnnLSTM(1, 4, 3), jcr.CudnnLSTM(1, 4, 3).init_params(
