@@ -104,21 +104,19 @@ def test_flax_linen_cells_decode_as_our_one_step_calls(cls, mode):
   x, h, c = random_inputs(spec, 6, 3)
   cell = interop.flax_linen_cell(spec)
   layers = interop.to_flax_linen_cells(spec, params)
-  flax_h, flax_c = list(h), (list(c) if c is not None else None)
+  # Flax's carries, one a layer: (c, h) for an LSTM, h otherwise.
+  carries = [(c[l], h[l]) if spec.has_cell_state else h[l] for l in range(spec.num_layers)]
   for t in range(x.shape[0]):
     y, h, c = call(spec, x[t:t + 1], h, c, params, is_training=False)
     out = x[t]
     for layer, (cell_params,) in enumerate(layers):  # [layer][direction], one direction
-      carry = (flax_c[layer], flax_h[layer]) if spec.has_cell_state else flax_h[layer]
-      carry, out = cell.apply({"params": cell_params}, carry, out)
-      if spec.has_cell_state:
-        flax_c[layer], flax_h[layer] = carry
-      else:
-        flax_h[layer] = carry
+      carries[layer], out = cell.apply({"params": cell_params}, carries[layer], out)
     np.testing.assert_allclose(out, y[0], rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(np.stack(flax_h), h, rtol=1e-12, atol=1e-12)
     if spec.has_cell_state:
-      np.testing.assert_allclose(np.stack(flax_c), c, rtol=1e-12, atol=1e-12)
+      np.testing.assert_allclose(np.stack([h_ for _, h_ in carries]), h, rtol=1e-12, atol=1e-12)
+      np.testing.assert_allclose(np.stack([c_ for c_, _ in carries]), c, rtol=1e-12, atol=1e-12)
+    else:
+      np.testing.assert_allclose(np.stack(carries), h, rtol=1e-12, atol=1e-12)
 
 
 def test_flax_cells_refuse_wrong_cell():
