@@ -1,10 +1,15 @@
 """The four cuDNN-style RNN specs: construction-time validation and properties.
 
-A spec is a frozen, hashable dataclass (usable as a `jit` static argument) that
-describes a multi-layer, optionally bidirectional RNN the way
-`tf.contrib.cudnn_rnn` did. It owns no arrays: parameters are one flat opaque
-buffer created by `init_params` or `canonical_to_params`, and passed to
-`__call__` explicitly.
+A spec is a frozen, hashable dataclass that describes a multi-layer,
+optionally bidirectional RNN the way `tf.contrib.cudnn_rnn` did. It owns no
+arrays: parameters are one flat opaque buffer created by `init_params` or
+`canonical_to_params`, and passed to `__call__` explicitly.
+
+Every spec class is a pytree with no leaves (`jax.tree_util.register_static`):
+a spec passed to a jitted function as an ordinary argument is static, as
+under `static_argnums`, and a pytree holding specs (a train state, say) keeps
+them in its structure. Without this, JAX would take a spec, which has a
+`dtype` attribute, for a scalar of that dtype, and trace it.
 
 `input_mode="auto_select"` is resolved at construction: the stored
 `input_mode` is `"skip_input"` when `input_size == num_units`, else
@@ -20,6 +25,7 @@ import numbers
 from typing import Any, ClassVar
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 INPUT_MODES = ("linear_input", "skip_input", "auto_select")
@@ -91,6 +97,10 @@ class CudnnRNNBase:
   seed: int = 0
 
   rnn_mode: ClassVar[str] = ""
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    jax.tree_util.register_static(cls)  # the module docstring
 
   def __post_init__(self):
     if type(self) is CudnnRNNBase:

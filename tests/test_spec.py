@@ -41,6 +41,31 @@ def test_specs_are_hashable_static_args():
     a.num_units = 5
 
 
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_specs_are_static_as_ordinary_jit_arguments(cls):
+  spec = cls(1, 4, 3, dtype=jnp.float32)
+  other = cls(1, 5, 3, dtype=jnp.float32)
+  assert jax.tree_util.tree_leaves(spec) == []
+  state = {"spec": spec, "params": spec.init_params(jax.random.key(0))}
+  assert len(jax.tree_util.tree_leaves(state)) == 1
+  assert jax.tree.map(lambda a: a + 1, state)["spec"] is spec
+  traces = []
+
+  @jax.jit
+  def outputs(s, p, x):
+    traces.append(s)
+    return s(x, *([None] * (1 + s.has_cell_state)), p, is_training=False)[0]
+
+  x = jax.random.normal(jax.random.key(1), (6, 2, 3), jnp.float32)
+  for s in (spec, cls(1, 4, 3, dtype=jnp.float32), other):
+    p = s.init_params(jax.random.key(2))
+    np.testing.assert_allclose(outputs(s, p, x), s(x, *([None] * (1 + s.has_cell_state)), p,
+                                                    is_training=False)[0], rtol=1e-6, atol=1e-7)
+  assert traces == [spec, other]  # an equal spec hits the cache; a different one retraces
+  grads = jax.grad(lambda st: outputs(st["spec"], st["params"], x).sum())(state)
+  assert grads["spec"] is spec and grads["params"].shape == state["params"].shape
+
+
 def dataclasses_frozen_error():
   import dataclasses
   return dataclasses.FrozenInstanceError
