@@ -31,6 +31,24 @@ def _check_params(spec, params) -> jax.Array:
   return jnp.asarray(params)
 
 
+def _check_dtype_available(spec, what: str) -> None:
+  """A float64 spec's buffers can only be made with x64 on: JAX would make
+  float32 ones instead (with a warning), which no call of the spec accepts."""
+  if spec.dtype == np.float64 and not jax.config.jax_enable_x64:
+    raise TypeError(f"{what} would make a float32 buffer for this float64 spec: JAX makes "
+                    "float64 arrays only with jax.config.update('jax_enable_x64', True)")
+
+
+def _check_key(key) -> None:
+  """`key` as `jax.random` takes it: a typed key (`jax.random.key`) or a raw
+  `uint32` one (`jax.random.PRNGKey`); not an integer seed."""
+  dtype = getattr(key, "dtype", None)
+  if dtype is None or not (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+                           or np.dtype(dtype) == np.uint32):
+    got = type(key).__name__ if dtype is None else f"an array of dtype {np.dtype(dtype).name}"
+    raise TypeError(f"key must be a PRNG key (jax.random.key(seed)), got {got}")
+
+
 def init_params(spec, key, *, weight_initializer: Initializer | None = None,
                 bias_initializer: Initializer | None = None) -> jax.Array:
   """Creates an opaque parameter buffer for `spec`.
@@ -50,6 +68,8 @@ def init_params(spec, key, *, weight_initializer: Initializer | None = None,
   Returns:
     A 1-D array of shape `(spec.params_size(),)` and dtype `spec.dtype`.
   """
+  _check_key(key)
+  _check_dtype_available(spec, "init_params")
   bound = 1.0 / np.sqrt(spec.num_units)
   default = lambda k, shape, dtype: jax.random.uniform(
       k, shape, dtype, minval=-bound, maxval=bound)
@@ -78,6 +98,7 @@ def _check_canonical(name: str, arrays: Sequence, entries) -> None:
 
 def canonical_to_params(spec, weights: Sequence, biases: Sequence) -> jax.Array:
   """Packs canonical weights and biases (cast to `spec.dtype`) into an opaque buffer."""
+  _check_dtype_available(spec, "canonical_to_params")
   weight_entries, bias_entries = _layout.tensors(spec)
   _check_canonical("weights", weights, weight_entries)
   _check_canonical("biases", biases, bias_entries)

@@ -103,3 +103,28 @@ def test_conversion_errors():
     spec.params_to_canonical(jnp.zeros(55, jnp.float32))
   with pytest.raises(TypeError, match="params must have dtype float32, got float64"):
     spec.params_to_canonical(jnp.zeros(56, jnp.float64))
+
+
+@pytest.mark.parametrize("key", [0, None, np.zeros(2, np.int32), jnp.zeros(2, jnp.float32)])
+def test_init_params_needs_a_prng_key(key):
+  with pytest.raises(TypeError, match=r"key must be a PRNG key \(jax.random.key\(seed\)\), got"):
+    jcr.CudnnGRU(1, 4, 3).init_params(key)
+
+
+def test_init_params_takes_raw_and_typed_keys_alike():
+  spec = jcr.CudnnGRU(1, 4, 3, dtype=jnp.float32)
+  np.testing.assert_array_equal(spec.init_params(jax.random.PRNGKey(7)),
+                                spec.init_params(jax.random.key(7)))
+  batched = jax.vmap(spec.init_params)(jax.random.split(jax.random.key(7), 2))
+  assert batched.shape == (2, spec.params_size()) and not np.array_equal(*batched)
+
+
+def test_float64_spec_without_x64_makes_no_float32_buffer():
+  spec = jcr.CudnnLSTM(1, 2, 3, dtype=jnp.float64)
+  weights, biases = random_canonical(spec)
+  with jax.enable_x64(False):
+    with pytest.raises(TypeError, match=r"init_params would make a float32 buffer .*jax_enable_x64"):
+      spec.init_params(jax.random.key(0))
+    with pytest.raises(TypeError, match=r"canonical_to_params would make a float32 .*jax_enable_x64"):
+      spec.canonical_to_params(weights, biases)
+  assert spec.init_params(jax.random.key(0)).dtype == jnp.float64
