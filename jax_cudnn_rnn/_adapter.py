@@ -34,6 +34,24 @@ def _describe(value) -> str:
   return type(value).__name__
 
 
+def _carry(spec, name: str, value, inputs, time_major: bool):
+  """One state of `initial_carry` as an array of the compute dtype, its shape
+  checked here so that the error names the module's terms (the spec's own
+  check names `input_h`); an input of the wrong rank is left to the spec."""
+  state = jnp.asarray(value, spec.dtype)
+  if inputs.ndim == 3:
+    expected = (spec.num_layers * spec.num_dirs, inputs.shape[1 if time_major else 0],
+                spec.num_units)
+    if state.shape != expected:
+      hint = ""
+      if state.shape == expected[1:]:
+        hint = ("; unlike flax.linen.RNN's cells, the carry has a leading axis of "
+                "num_layers * num_dirs even for one layer")
+      raise ValueError(f"{name} must have shape {expected} (num_layers * num_dirs, batch, "
+                       f"features), got {tuple(state.shape)}{hint}")
+  return state
+
+
 def run(spec, params, inputs, initial_carry, *, seq_lengths, dropout_key, training: bool,
         time_major: bool, implementation, return_carry: bool):
   """Runs `spec` (whose dtype is the compute dtype) on module-style arguments.
@@ -51,9 +69,10 @@ def run(spec, params, inputs, initial_carry, *, seq_lengths, dropout_key, traini
       raise TypeError("initial_carry of an LSTM must be a pair (h, c) of "
                       "[num_layers * num_dirs, batch, features] arrays, got "
                       f"{_describe(initial_carry)}")
-    h0, c0 = (jnp.asarray(a, dtype) for a in initial_carry)
+    h0, c0 = (_carry(spec, f"initial_carry[{i}] ({n})", a, inputs, time_major)
+              for i, (n, a) in enumerate(zip("hc", initial_carry)))
   else:
-    h0, c0 = jnp.asarray(initial_carry, dtype), None
+    h0, c0 = _carry(spec, "initial_carry", initial_carry, inputs, time_major), None
   out = spec._run(inputs, h0, c0, params, training, seq_lengths=seq_lengths,
                   dropout_key=dropout_key, time_major=time_major, implementation=implementation)
   outputs, carry = out[0], (tuple(out[1:]) if spec.has_cell_state else out[1])

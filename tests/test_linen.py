@@ -132,3 +132,19 @@ def test_lstm_carry_must_be_a_pair():
   _, outputs = m.clone(return_carry=True).apply(variables, x, (h, c))
   expected = m.spec(5)(jnp.swapaxes(x, 0, 1), h, c, variables["params"]["opaque_params"])[0]
   np.testing.assert_allclose(outputs, jnp.swapaxes(expected, 0, 1), rtol=1e-6)
+
+
+def test_carry_shapes_are_checked_in_the_modules_terms():
+  x = jnp.ones((2, 3, 5), jnp.float32)  # batch-major: batch 2
+  gru = linen.GRU(4, num_layers=2, bidirectional=True)
+  variables = gru.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"^initial_carry must have shape \(4, 2, 4\) .*got \(4, 3, 4\)($|\n)"):
+    gru.apply(variables, x, jnp.zeros((4, 3, 4)))
+  lstm = linen.LSTM(4, time_major=True)  # time-major: batch 3
+  variables = lstm.init(jax.random.key(0), x)
+  good = jnp.zeros((1, 3, 4))
+  with pytest.raises(ValueError, match=r"^initial_carry\[1\] \(c\) must have shape \(1, 3, 4\) "
+                                       r".*got \(3, 4\); unlike flax.linen.RNN's cells"):
+    lstm.apply(variables, x, (good, jnp.zeros((3, 4))))
+  carry, _ = lstm.clone(return_carry=True).apply(variables, x, (good, good + 0.5))
+  assert [a.shape for a in carry] == [(1, 3, 4)] * 2

@@ -26,6 +26,17 @@ def test_module_equals_functional_api(module, cls):
   np.testing.assert_allclose(carry[0] if m.spec.has_cell_state else carry, ref[1], rtol=1e-12)
 
 
+def test_carry_shape_is_checked_in_the_modules_terms():
+  m = jnnx.GRU(4, 6, rngs=nnx.Rngs(0))
+  x = jnp.ones((3, 5, 4), jnp.float32)
+  with pytest.raises(ValueError, match=r"initial_carry must have shape \(1, 3, 6\) .*got \(3, 6\); "
+                                       r"unlike flax.linen.RNN's cells"):
+    m(x, jnp.zeros((3, 6)))
+  h = jnp.full((1, 3, 6), 0.25, jnp.float32)
+  np.testing.assert_array_equal(m(x, h), m.spec._run(x, h, None, m.opaque_params[...], False,
+                                                     time_major=False)[0])
+
+
 def test_dropout_stream_and_eval():
   m = jnnx.LSTM(3, 8, num_layers=3, dropout_rate=0.5, rngs=nnx.Rngs(params=0, dropout=1))
   x = jax.random.normal(jax.random.key(0), (2, 5, 3))
