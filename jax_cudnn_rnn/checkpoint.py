@@ -281,5 +281,7 @@ def restore(directory, spec, dtype=None) -> jax.Array:
   directory = epath.Path(directory).absolute()
   if not directory.exists():
     raise CheckpointError(f"checkpoint directory {directory} does not exist")
+  if not directory.is_dir():
+    raise CheckpointError(f"{directory} is a file, not a checkpoint directory")
   with ocp.Checkpointer(RNNParamsHandler()) as checkpointer:
     return checkpointer.restore(directory, args=RNNParamsRestore(spec, dtype))

@@ -143,11 +143,17 @@ def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
 @_spec.takes_spec
 def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
   """An opaque buffer from a torch RNN state dict (numpy arrays or tensors)."""
+  if not isinstance(state_dict, Mapping):
+    hint = " (a module: pass module.state_dict())" if hasattr(state_dict, "state_dict") else ""
+    raise TypeError(f"state_dict must be a mapping of names to arrays or tensors, got "
+                    f"{type(state_dict).__name__}{hint}")
   g = spec.num_gates
   extra = set(state_dict) - {k for l in range(spec.num_layers) for d in range(spec.num_dirs)
                              for k in _torch_keys(l, d)}
   if extra:
-    raise ValueError(f"state_dict has keys {sorted(extra)} that {spec} has no place for")
+    projection = any(k.startswith("weight_hr_") for k in extra)
+    raise ValueError(f"state_dict has keys {sorted(extra)} that {spec} has no place for"
+                     + ("; LSTMs with proj_size are not supported" if projection else ""))
   per = {}
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):

@@ -148,6 +148,12 @@ def test_missing_directory(tmp_path):
     ck.restore(tmp_path / "nope", jcr.CudnnLSTM(1, 4, 3))
 
 
+def test_restoring_from_a_file_is_a_clear_error(tmp_path):
+  (tmp_path / "f").write_text("not a checkpoint")
+  with pytest.raises(ck.CheckpointError, match=r"f is a file, not a checkpoint directory"):
+    ck.restore(tmp_path / "f", jcr.CudnnLSTM(1, 4, 3))
+
+
 def test_composite_with_checkpoint_manager_several_rnns(tmp_path):
   encoder = jcr.CudnnLSTM(2, 4, 3, direction="bidirectional")
   decoder = jcr.CudnnGRU(1, 5, 8, dtype=jnp.float64)

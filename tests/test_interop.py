@@ -41,8 +41,17 @@ def test_torch_refusals():
   with pytest.raises(ValueError, match="no weight_hh_l0"):
     interop.from_torch_state_dict(spec, {"weight_ih_l0": sd["weight_ih_l0"]})
   good = interop.to_torch_state_dict(spec, spec.init_params(jax.random.key(0)))
-  with pytest.raises(ValueError, match="weight_hr_l0"):
+  with pytest.raises(ValueError, match=r"weight_hr_l0.*LSTMs with proj_size are not supported"):
     interop.from_torch_state_dict(spec, good | {"weight_hr_l0": np.zeros((4, 4))})
+
+  class Module:  # has a state_dict, as a torch module has
+    def state_dict(self):
+      return good
+  with pytest.raises(TypeError, match=r"state_dict must be a mapping .*got Module "
+                                      r"\(a module: pass module.state_dict\(\)\)"):
+    interop.from_torch_state_dict(spec, Module())
+  with pytest.raises(TypeError, match=r"state_dict must be a mapping .*got list$"):
+    interop.from_torch_state_dict(spec, list(good.items()))
   gru = jcr.CudnnGRU(1, 4, 4)
   gru_sd = interop.to_torch_state_dict(gru, gru.init_params(jax.random.key(0)))
   with pytest.raises(ValueError, match=r"state_dict\['weight_ih_l0'\] has shape \(12, 4\), "
