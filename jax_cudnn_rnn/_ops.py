@@ -76,19 +76,6 @@ def _check_seq_lengths(seq_lengths, batch, steps):
   return jnp.clip(seq_lengths, 0, steps).astype(jnp.int32)
 
 
-def _check_key(dropout_key):
-  dtype = getattr(dropout_key, "dtype", None)
-  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
-    if dropout_key.shape != ():
-      raise ValueError(f"dropout_key must be a single PRNG key, got shape {dropout_key.shape}")
-    return dropout_key
-  if dtype is None or np.dtype(dtype) != np.uint32 or tuple(dropout_key.shape) != (2,):
-    raise TypeError("dropout_key must be a PRNG key (jax.random.key or jax.random.PRNGKey), "
-                    f"got {type(dropout_key).__name__} with dtype {dtype} and shape "
-                    f"{getattr(dropout_key, 'shape', None)}")
-  return dropout_key
-
-
 def resolve_implementation(implementation):
   """Returns "xla", "cudnn" or "auto" (cuDNN on CUDA devices, XLA elsewhere)."""
   if implementation not in IMPLEMENTATIONS:
@@ -147,7 +134,7 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     if dropout_key is None:
       raise ValueError(f"dropout_key is required when is_training=True and dropout="
                        f"{spec.dropout} > 0: pass dropout_key=jax.random.key(...)")
-    dropout_key = _check_key(dropout_key)
+    dropout_key = _params.check_key("dropout_key", dropout_key)
 
   backend = resolve_implementation(implementation)
   if backend == "auto" and not _cudnn.supports(spec, steps, batch, bool(time_major))[0]:

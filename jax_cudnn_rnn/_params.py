@@ -39,14 +39,20 @@ def _check_dtype_available(spec, what: str) -> None:
                     "float64 arrays only with jax.config.update('jax_enable_x64', True)")
 
 
-def _check_key(key) -> None:
-  """`key` as `jax.random` takes it: a typed key (`jax.random.key`) or a raw
-  `uint32` one (`jax.random.PRNGKey`); not an integer seed."""
+def check_key(name: str, key):
+  """`key` as `jax.random` takes a single key: a typed key (`jax.random.key`,
+  shape `()`) or a raw one (`jax.random.PRNGKey`, `uint32` of shape `(2,)`);
+  not an integer seed, not a batch of keys. Returns it unchanged."""
   dtype = getattr(key, "dtype", None)
-  if dtype is None or not (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-                           or np.dtype(dtype) == np.uint32):
-    got = type(key).__name__ if dtype is None else f"an array of dtype {np.dtype(dtype).name}"
-    raise TypeError(f"key must be a PRNG key (jax.random.key(seed)), got {got}")
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if key.shape != ():
+      raise ValueError(f"{name} must be a single PRNG key, got shape {key.shape}")
+    return key
+  if dtype is None or np.dtype(dtype) != np.uint32 or tuple(key.shape) != (2,):
+    got = (type(key).__name__ if dtype is None else
+           f"an array of dtype {np.dtype(dtype).name} and shape {tuple(key.shape)}")
+    raise TypeError(f"{name} must be a PRNG key (jax.random.key(seed)), got {got}")
+  return key
 
 
 def init_params(spec, key, *, weight_initializer: Initializer | None = None,
@@ -68,7 +74,7 @@ def init_params(spec, key, *, weight_initializer: Initializer | None = None,
   Returns:
     A 1-D array of shape `(spec.params_size(),)` and dtype `spec.dtype`.
   """
-  _check_key(key)
+  check_key("key", key)
   _check_dtype_available(spec, "init_params")
   bound = 1.0 / np.sqrt(spec.num_units)
   default = lambda k, shape, dtype: jax.random.uniform(

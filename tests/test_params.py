@@ -105,10 +105,20 @@ def test_conversion_errors():
     spec.params_to_canonical(jnp.zeros(56, jnp.float64))
 
 
-@pytest.mark.parametrize("key", [0, None, np.zeros(2, np.int32), jnp.zeros(2, jnp.float32)])
-def test_init_params_needs_a_prng_key(key):
-  with pytest.raises(TypeError, match=r"key must be a PRNG key \(jax.random.key\(seed\)\), got"):
+@pytest.mark.parametrize("key, got", [
+    (0, "int"), (None, "NoneType"),
+    (np.zeros(2, np.int32), r"an array of dtype int32 and shape \(2,\)"),
+    (jnp.zeros(2, jnp.float32), r"an array of dtype float32 and shape \(2,\)"),
+    (np.zeros(3, np.uint32), r"an array of dtype uint32 and shape \(3,\)")])
+def test_init_params_needs_a_prng_key(key, got):
+  with pytest.raises(TypeError, match=r"^key must be a PRNG key \(jax.random.key\(seed\)\), "
+                                      f"got {got}$"):
     jcr.CudnnGRU(1, 4, 3).init_params(key)
+
+
+def test_init_params_takes_one_key_not_a_batch():
+  with pytest.raises(ValueError, match=r"^key must be a single PRNG key, got shape \(2,\)$"):
+    jcr.CudnnGRU(1, 4, 3).init_params(jax.random.split(jax.random.key(0), 2))
 
 
 def test_init_params_takes_raw_and_typed_keys_alike():

@@ -78,8 +78,11 @@ def test_dropout_needs_a_key_when_training():
   x, h, params = _good(spec)
   with pytest.raises(ValueError, match="dropout_key is required"):
     spec(x, h, params, is_training=True)
-  with pytest.raises(TypeError, match="dropout_key must be a PRNG key"):
+  with pytest.raises(TypeError, match=r"^dropout_key must be a PRNG key \(jax.random.key\(seed\)\), "
+                                      r"got int$"):
     spec(x, h, params, is_training=True, dropout_key=3)
+  with pytest.raises(ValueError, match=r"^dropout_key must be a single PRNG key, got shape \(2,\)$"):
+    spec(x, h, params, is_training=True, dropout_key=jax.random.split(jax.random.key(0), 2))
   y, _ = spec(x, h, params, is_training=False)  # inference needs no key
   assert y.shape == (5, 2, 4)
 
