@@ -7,6 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 
 import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import _ops
 
 MODE_CLASSES = {"lstm": jcr.CudnnLSTM, "gru": jcr.CudnnGRU, "rnn_tanh": jcr.CudnnRNNTanh,
                 "rnn_relu": jcr.CudnnRNNRelu}
@@ -40,15 +41,8 @@ def _carry(spec, name: str, value, inputs, time_major: bool):
   check names `input_h`); an input of the wrong rank is left to the spec."""
   state = jnp.asarray(value, spec.dtype)
   if inputs.ndim == 3:
-    expected = (spec.num_layers * spec.num_dirs, inputs.shape[1 if time_major else 0],
-                spec.num_units)
-    if state.shape != expected:
-      hint = ""
-      if state.shape == expected[1:]:
-        hint = ("; unlike flax.linen.RNN's cells, the carry has a leading axis of "
-                "num_layers * num_dirs even for one layer")
-      raise ValueError(f"{name} must have shape {expected} (num_layers * num_dirs, batch, "
-                       f"features), got {tuple(state.shape)}{hint}")
+    _ops.check_state_shape(spec, name, state.shape, inputs.shape[1 if time_major else 0],
+                           unit_name="features")
   return state
 
 

@@ -45,15 +45,25 @@ def _check_dtype(name: str, array: jax.Array, dtype: np.dtype) -> None:
                     f"got {np.dtype(array.dtype).name}{hint}")
 
 
+def check_state_shape(spec, name: str, shape, batch: int, *, unit_name: str = "num_units"):
+  """Raises a `ValueError` unless `shape` is that of an initial state of
+  `spec` for `batch` sequences; `unit_name` is what the caller calls the
+  last axis (the Flax adapters say features)."""
+  expected = (spec.num_layers * spec.num_dirs, batch, spec.num_units)
+  if tuple(shape) != expected:
+    hint = ""
+    if tuple(shape) == expected[1:]:
+      hint = ("; unlike flax.linen.RNN's cells, the states have a leading axis of "
+              "num_layers * num_dirs even for one layer")
+    raise ValueError(f"{name} must have shape {expected} (num_layers * num_dirs, batch, "
+                     f"{unit_name}), got {tuple(shape)}{hint}")
+
+
 def _check_state(spec, name, state, batch):
   if state is None:
     return jnp.zeros((spec.num_layers * spec.num_dirs, batch, spec.num_units), spec.dtype)
   state = _as_array(name, state)
-  expected = (spec.num_layers * spec.num_dirs, batch, spec.num_units)
-  if state.shape != expected:
-    raise ValueError(f"{name} must have shape {expected} "
-                     "(num_layers * num_dirs, batch, num_units), "
-                     f"got {tuple(state.shape)}")
+  check_state_shape(spec, name, state.shape, batch)
   _check_dtype(name, state, spec.dtype)
   return state
 

@@ -32,6 +32,7 @@ def _lstm(**over):
     (dict(input_data="abc"), TypeError, "input_data must be an array, got str"),
     (dict(input_h=jnp.zeros((2, 2, 4))), ValueError, r"input_h must have shape \(4, 2, 4\) .* got \(2, 2, 4\)"),
     (dict(input_h=jnp.zeros((4, 3, 4))), ValueError, r"input_h must have shape \(4, 2, 4\)"),
+    (dict(input_c=jnp.zeros((2, 4))), ValueError, r"^input_c must have shape \(4, 2, 4\) \(num_layers \* num_dirs, batch, num_units\), got \(2, 4\); unlike flax.linen.RNN's cells, the states have a leading axis of num_layers \* num_dirs even for one layer$"),
     (dict(input_h=jnp.zeros((4, 2, 4), jnp.float16)), TypeError, "input_h must have dtype float32"),
     (dict(input_c=jnp.zeros((4, 2, 5))), ValueError, r"input_c must have shape \(4, 2, 4\) .* got \(4, 2, 5\)"),
     (dict(params=jnp.zeros(10, jnp.float32)), ValueError, r"params must have shape \(\d+,\)"),
