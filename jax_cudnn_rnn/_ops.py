@@ -40,7 +40,7 @@ def _check_dtype(name: str, array: jax.Array, dtype: np.dtype) -> None:
   if np.dtype(array.dtype) != dtype:
     hint = ""
     if dtype == np.float64 and not jax.config.jax_enable_x64:
-      hint = " (JAX makes float64 arrays only with jax.config.update('jax_enable_x64', True))"
+      hint = f" ({_params.X64_HINT})"
     raise TypeError(f"{name} must have dtype {dtype.name} (the spec's dtype), "
                     f"got {np.dtype(array.dtype).name}{hint}")
 

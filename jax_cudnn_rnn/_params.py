@@ -31,12 +31,15 @@ def _check_params(spec, params) -> jax.Array:
   return jnp.asarray(params)
 
 
+# Why a float64 buffer cannot be made or accepted: said by every check that meets one.
+X64_HINT = "JAX makes float64 arrays only with jax.config.update('jax_enable_x64', True)"
+
+
 def _check_dtype_available(spec, what: str) -> None:
   """A float64 spec's buffers can only be made with x64 on: JAX would make
   float32 ones instead (with a warning), which no call of the spec accepts."""
   if spec.dtype == np.float64 and not jax.config.jax_enable_x64:
-    raise TypeError(f"{what} would make a float32 buffer for this float64 spec: JAX makes "
-                    "float64 arrays only with jax.config.update('jax_enable_x64', True)")
+    raise TypeError(f"{what} would make a float32 buffer for this float64 spec: {X64_HINT}")
 
 
 def check_key(name: str, key):
