@@ -55,6 +55,18 @@ def test_time_major_and_dtype():
   assert variables["params"]["opaque_params"].dtype == jnp.float32
   y = m.apply(variables, x)
   assert y.shape == (6, 2, 4) and y.dtype == jnp.bfloat16
+  # the bfloat16 spec's call on the parameters rounded to bfloat16
+  params = variables["params"]["opaque_params"]
+  expected = m.spec(3, jnp.bfloat16)(x.astype(jnp.bfloat16), None,
+                                     params.astype(jnp.bfloat16), is_training=False)[0]
+  np.testing.assert_array_equal(y, expected)
+  # batch-major gives the same, transposed; the parameter gradient stays float32
+  batch_major = m.clone(time_major=False)
+  np.testing.assert_array_equal(batch_major.apply(variables, jnp.swapaxes(x, 0, 1)),
+                                jnp.swapaxes(y, 0, 1))
+  g = jax.grad(lambda v: jnp.sum(m.apply(v, x).astype(jnp.float32)))(variables)
+  assert g["params"]["opaque_params"].dtype == jnp.float32
+  assert float(jnp.abs(g["params"]["opaque_params"]).max()) > 0
 
 
 def test_dropout_uses_rng_stream_and_deterministic_flag():
