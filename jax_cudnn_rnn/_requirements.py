@@ -7,10 +7,15 @@ The "xla" path's gradient is a `custom_jvp` whose tangent is a second
 `lax.scan`, transposed by JAX for reverse mode. JAX before 0.10 fails to
 transpose it: jax 0.6 and 0.7 stop on an internal `AssertionError` in the scan
 transpose rule, jax 0.8 and 0.9 on a `TypeError` about a `ValAccum` (measured
-with jax 0.6.2, 0.7.2, 0.8.3 and 0.9.2: `tests/test_transforms.py`). pip
-enforces `pyproject.toml`'s `jax>=0.10`, but an install with `--no-deps`, or a
-JAX downgraded afterwards, would reach those errors from deep inside JAX at the
-first `jax.grad`; this check says what is wrong at import instead.
+with jax 0.6.2, 0.7.2, 0.8.3 and 0.9.2: `tests/test_transforms.py`). jax 0.10.0
+transposes it, but its XLA:CPU cannot compile a bfloat16 model's gradient at
+some small sizes: a bfloat16 x bfloat16 -> float32 product inside a loop, such
+as `[2, 12] x [12, 4]`, fails with "UNIMPLEMENTED: unsupported operand type BF16
+in op dot" (a one-layer bfloat16 GRU of batch 2 and 4 units, for one; jax
+0.10.1 and later compile it). pip enforces `pyproject.toml`'s `jax>=0.10.1`,
+but an install with `--no-deps`, or a JAX downgraded afterwards, would reach
+those errors from deep inside JAX at the first `jax.grad`; this check says what
+is wrong at import instead.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import re
 
 import jax
 
-MIN_JAX = (0, 10, 0)
+MIN_JAX = (0, 10, 1)
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -38,4 +43,5 @@ def check_jax(version: str | None = None) -> None:
     minimum = ".".join(map(str, MIN_JAX))
     raise ImportError(
         f"jax_cudnn_rnn needs jax >= {minimum}, but jax {version} is installed: older JAX "
-        f"cannot differentiate its RNNs. Upgrade with `pip install -U 'jax>={minimum}'`.")
+        f"cannot differentiate its RNNs (before 0.10) or compile some of their gradients "
+        f"(0.10.0). Upgrade with `pip install -U 'jax>={minimum}'`.")

@@ -27,14 +27,14 @@ def test_version_tuple_refuses_what_is_no_version():
     _requirements.version_tuple("unknown")
 
 
-@pytest.mark.parametrize("version", ["0.9.2", "0.8.3", "0.6.0", "0.4.38"])
+@pytest.mark.parametrize("version", ["0.10.0", "0.9.2", "0.8.3", "0.6.0", "0.4.38"])
 def test_older_jax_is_refused_naming_both_versions(version):
-  with pytest.raises(ImportError, match=rf"needs jax >= 0\.10\.0, but jax {re.escape(version)} "
-                                        r"is installed.*pip install -U 'jax>=0\.10\.0'"):
+  with pytest.raises(ImportError, match=rf"needs jax >= 0\.10\.1, but jax {re.escape(version)} "
+                                        r"is installed.*pip install -U 'jax>=0\.10\.1'"):
     _requirements.check_jax(version)
 
 
-@pytest.mark.parametrize("version", ["0.10.0", "0.10.2", "0.11.0.dev20261101", "1.0"])
+@pytest.mark.parametrize("version", ["0.10.1", "0.10.2", "0.11.0.dev20261101", "1.0"])
 def test_supported_jax_is_accepted(version):
   _requirements.check_jax(version)
 

@@ -487,6 +487,26 @@ def test_bfloat16_gradients_match_reference(cls):
     assert relative_error(fast, ref) <= tol, relative_error(fast, ref)
 
 
+@pytest.mark.parametrize("T", [6, 32], ids=["step-by-step", "chunked"])
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_bfloat16_gradients_at_small_sizes(cls, T):
+  """A one-layer bfloat16 model of batch 2 and 4 units: its gradient's loops
+  multiply bfloat16 products as small as `[2, 12] x [12, 4]`, which jax
+  0.10.0's XLA:CPU could not compile (`_requirements`). Against the reference,
+  tolerances as above."""
+  spec = cls(1, 4, 3, dtype=jnp.bfloat16)
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = random_inputs(spec, T, 2)
+  lengths = jnp.array([T, 3], jnp.int32)
+  grads = [jax.jit(jax.grad(_loss(impl, spec, lengths), argnums=(0, 1, 3)))(x, h, c, params)
+           for impl in (_xla.rnn, _reference.rnn)]
+  for fast, ref in zip(*grads):
+    assert fast.dtype == jnp.bfloat16
+    assert float(jnp.abs(ref.astype(jnp.float32)).max()) > 0
+    tol = 1e-1 if spec.rnn_mode == "rnn_relu" else 1e-2
+    assert relative_error(fast, ref) <= tol, relative_error(fast, ref)
+
+
 def test_bfloat16_forward_mode_and_vmapped_gradients():
   """Through `_rounded_dot`'s JVP and batching rules: a bfloat16 GRU's
   `jax.jvp` in its weights, and `vmap(grad)` over two weight sets, against
