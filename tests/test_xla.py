@@ -476,13 +476,19 @@ def test_bfloat16_gradients_match_reference(cls):
   RNN-relu, whose states are unbounded, 1e-2 to 5e-2, which is what rounding
   its states to bfloat16 at each of 64 matmuls costs."""
   spec = cls(2, 8, 5, direction="bidirectional", dtype=jnp.bfloat16)
+  _assert_bfloat16_gradients_match_reference(spec, 32, jnp.array([32, 13, 0], jnp.int32))
+
+
+def _assert_bfloat16_gradients_match_reference(spec, T, lengths):
+  """The gradients in the inputs, the initial state and the parameters, of the
+  "xla" path against the reference's; tolerances as measured above."""
   params = spec.init_params(jax.random.key(0))
-  x, h, c = random_inputs(spec, 32, 3)
-  lengths = jnp.array([32, 13, 0], jnp.int32)
+  x, h, c = random_inputs(spec, T, lengths.shape[0])
   grads = [jax.jit(jax.grad(_loss(impl, spec, lengths), argnums=(0, 1, 3)))(x, h, c, params)
            for impl in (_xla.rnn, _reference.rnn)]
   for fast, ref in zip(*grads):
     assert fast.dtype == jnp.bfloat16
+    assert float(jnp.abs(ref.astype(jnp.float32)).max()) > 0
     tol = 1e-1 if spec.rnn_mode == "rnn_relu" else 1e-2
     assert relative_error(fast, ref) <= tol, relative_error(fast, ref)
 
@@ -494,17 +500,8 @@ def test_bfloat16_gradients_at_small_sizes(cls, T):
   multiply bfloat16 products as small as `[2, 12] x [12, 4]`, which jax
   0.10.0's XLA:CPU could not compile (`_requirements`). Against the reference,
   tolerances as above."""
-  spec = cls(1, 4, 3, dtype=jnp.bfloat16)
-  params = spec.init_params(jax.random.key(0))
-  x, h, c = random_inputs(spec, T, 2)
-  lengths = jnp.array([T, 3], jnp.int32)
-  grads = [jax.jit(jax.grad(_loss(impl, spec, lengths), argnums=(0, 1, 3)))(x, h, c, params)
-           for impl in (_xla.rnn, _reference.rnn)]
-  for fast, ref in zip(*grads):
-    assert fast.dtype == jnp.bfloat16
-    assert float(jnp.abs(ref.astype(jnp.float32)).max()) > 0
-    tol = 1e-1 if spec.rnn_mode == "rnn_relu" else 1e-2
-    assert relative_error(fast, ref) <= tol, relative_error(fast, ref)
+  _assert_bfloat16_gradients_match_reference(cls(1, 4, 3, dtype=jnp.bfloat16), T,
+                                             jnp.array([T, 3], jnp.int32))
 
 
 def test_bfloat16_forward_mode_and_vmapped_gradients():
