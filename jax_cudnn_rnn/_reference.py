@@ -122,12 +122,29 @@ def _cell(rnn_mode: str, xp, rec, h, c):
   return (jnp.tanh(pre) if rnn_mode == "rnn_tanh" else jax.nn.relu(pre)), c
 
 
+def lift(a, ndim: int):
+  """`a` with leading axes of size 1 up to rank `ndim`: the broadcast jnp would
+  make implicitly, written out so that the library also runs under
+  `jax_numpy_rank_promotion="raise"` (the same program either way)."""
+  return a.reshape((1,) * (ndim - a.ndim) + a.shape)
+
+
 def project(x: jax.Array, W: jax.Array | None, gates: int, matmul=jnp.matmul) -> jax.Array:
   """`x @ W`, or the input added to every gate as is (skip_input: W is None).
 
   `matmul` (here and below) is how the step multiplies by a weight matrix:
   `_xla` passes one taking bfloat16 operands for bfloat16 models."""
   return jnp.tile(x, gates) if W is None else matmul(x, W)
+
+
+def project_inputs(xs, W, in_bias, gates: int, matmul=jnp.matmul) -> list:
+  """Every direction's input pre-activations, `project(xs[d], W[d]) + in_bias[d]`
+  (`xs[d]`: one step's `[B, in]` or a chunk's `[steps, B, in]`)."""
+  xps = []
+  for d, x in enumerate(xs):
+    xp = project(x, None if W is None else W[d], gates, matmul)
+    xps.append(xp + lift(in_bias[d], xp.ndim))
+  return xps
 
 
 def mask(valid_t, h, c, h_prev, c_prev):
@@ -161,7 +178,7 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul):
   for d in range(len(hs)):
     rec = matmul(hs[d], R[d])
     if gru:
-      rec = rec + bR[d]
+      rec = rec + lift(bR[d], rec.ndim)
     h, c, r = cell(xps[d], rec, hs[d], cs[d] if lstm else None)
     h, c, out = mask(valid_t, h, c, hs[d], cs[d] if lstm else None)
     new_hs.append(h)
@@ -187,8 +204,7 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul)
 
   def step(carry, inputs):
     x_t, valid_t = inputs
-    xps = [project(x_t[d], None if W is None else W[d], g, matmul) + in_bias[d]
-           for d in range(len(xs))]
+    xps = project_inputs(x_t, W, in_bias, g, matmul)
     hs, cs, outs, res = recurrent_step(mode, cell, R, bR, *carry, xps, valid_t, matmul)
     return (hs, cs), (outs, res)
 

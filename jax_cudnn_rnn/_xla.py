@@ -143,7 +143,7 @@ def _lstm_cell(xp, rec, h, c, coefficients):
     # bfloat16 B16 T256 26.8 -> 22.8 and 68.8 -> 67.5 (benchmarks/NOTES.md,
     # session 29). Its values differ from the plain forward's by rounding
     # (float32: 1.5e-7 at most there).
-    scale = _lstm_gate_scale(c.shape[-1], xp.dtype)
+    scale = _reference.lift(_lstm_gate_scale(c.shape[-1], xp.dtype), xp.ndim)
     t = jnp.tanh((xp + rec) * scale)
     i, f, g, o = jnp.split(t * scale + (1 - scale), 4, axis=-1)
   else:
@@ -235,8 +235,7 @@ def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk):
 
   def chunk_step(carry, inputs):
     x_c, valid_c = inputs
-    xps = [_reference.project(x_c[d], None if W is None else W[d], g, matmul) + in_bias[d]
-           for d in range(len(xs))]
+    xps = _reference.project_inputs(x_c, W, in_bias, g, matmul)
     steps = []
     for k in range(chunk):
       hs, cs, outs, res = _reference.recurrent_step(
@@ -334,9 +333,13 @@ def _zero(t) -> bool:
 
 
 def _sum(*terms):
-  """Sum of the terms that are not symbolic zeros; None when all are."""
+  """Sum of the terms that are not symbolic zeros (a bias's `[g*H]` broadcast
+  against the others' `[T, B, g*H]`); None when all are."""
   terms = [t for t in terms if not _zero(t)]
-  return functools.reduce(jnp.add, terms) if terms else None
+  if not terms:
+    return None
+  ndim = max(t.ndim for t in terms)
+  return functools.reduce(jnp.add, [_reference.lift(t, ndim) for t in terms])
 
 
 def _weight_tangent_matmul(mode, operands, matmul, dtype):
@@ -410,10 +413,11 @@ def _layer_jvp(mode, operands, primals, tangents):
       parts = []
       ax = _sum(dx, dw, tbW[d])
       if ax is not None:
-        parts.append(ax * K)
+        parts.append(_reference.lift(ax, K.ndim) * K)
       ar = _sum(dr, tbR[d])
       if ar is not None:  # the recurrent coefficients: k_n * r in the n block
-        parts.append(ar * K * jnp.concatenate([jnp.ones_like(K[..., :2 * r.shape[-1]]), r], -1))
+        n_block = jnp.concatenate([jnp.ones_like(K[..., :2 * r.shape[-1]]), r], -1)
+        parts.append(_reference.lift(ar, K.ndim) * K * n_block)
       X.append(term(_blocksum(_sum(*parts), g)) if parts else None)
       A.append(None)
     elif lstm:  # X_t = [the i, f, g blocks of A K summed (into dc'), the o block (into dh')]

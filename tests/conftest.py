@@ -4,11 +4,15 @@
   run them as TF32 there (a 10-bit mantissa), which is far outside the
   float32 tolerances of the tests comparing two float32 computations. Where
   TF32 is the point, tests ask for it explicitly (`test_cudnn_python.py`,
-  `test_native_library.py`); on a CPU this setting changes nothing.
+  `test_native_library.py`); on a CPU this setting changes nothing;
+- implicit rank promotion raises (`jax_numpy_rank_promotion="raise"`), as in
+  the codebases that set it: the library writes its broadcasts out
+  (`_reference.lift`), so that it runs there too, and every test checks that.
 """
 
 import jax
 
 jax.config.update("jax_enable_x64", True)
+jax.config.update("jax_numpy_rank_promotion", "raise")
 if jax.default_backend() == "gpu":
   jax.config.update("jax_default_matmul_precision", "highest")

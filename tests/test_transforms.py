@@ -105,3 +105,34 @@ def test_grad_through_canonical_conversion_matches_direct():
   gw, gb = jax.grad(loss_c, argnums=(0, 1))(weights, biases)
   g_direct = jax.grad(loss_p)(params)
   np.testing.assert_allclose(spec.canonical_to_params(gw, gb), g_direct, rtol=1e-12)
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("steps", [1, 40])  # one step; chunks of steps (`_xla._chunked_scan`)
+def test_runs_where_implicit_rank_promotion_raises(cls, steps):
+  # The values, gradient and forward-mode derivative under
+  # `jax_numpy_rank_promotion="raise"` equal those under "allow". skip_input
+  # with a tangent in the weights only leaves layer 0 a bias tangent alone, to
+  # broadcast against `[T, B, g*H]` coefficients (a GRU's did so implicitly).
+  spec = cls(2, 3, 3, input_mode="skip_input", direction="bidirectional", dropout=0.25)
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = random_inputs(spec, steps, 3)
+  lengths = np.array([steps, 1, 0])
+
+  def loss(p, x, h):
+    out = call(spec, x, h, c, p, seq_lengths=lengths, dropout_key=jax.random.key(1))
+    return sum(jnp.sum(o * o) for o in out if o is not None)
+
+  def derivatives():
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, x, h)
+    tangent = jax.jvp(lambda p: loss(p, x, h), (params,), (params,))[1]
+    batched = jax.vmap(lambda x: loss(params, x, h))(np.stack([x, 2 * x]))
+    return value, grads, tangent, batched
+
+  with jax.numpy_rank_promotion("allow"):
+    expected = derivatives()
+  with jax.numpy_rank_promotion("raise"):
+    got = derivatives()
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, b)
+  assert float(jnp.abs(got[1][0]).sum()) > 0
