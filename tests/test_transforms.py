@@ -1,4 +1,5 @@
-"""jit, grad (check_grads), vmap and jax.checkpoint on the pure-JAX path."""
+"""jit, grad (check_grads), vmap and jax.checkpoint on the pure-JAX path, and the
+library where implicit rank promotion raises."""
 
 import functools
 
@@ -110,7 +111,7 @@ def test_grad_through_canonical_conversion_matches_direct():
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 @pytest.mark.parametrize("steps", [1, 40])  # one step; chunks of steps (`_xla._chunked_scan`)
 def test_runs_where_implicit_rank_promotion_raises(cls, steps):
-  # The values, gradient and forward-mode derivative under
+  # The values, gradient, forward-mode derivative and vmap under
   # `jax_numpy_rank_promotion="raise"` equal those under "allow". skip_input
   # with a tangent in the weights only leaves layer 0 a bias tangent alone, to
   # broadcast against `[T, B, g*H]` coefficients (a GRU's did so implicitly).
