@@ -4,7 +4,7 @@
     python benchmarks/decode.py --quick
 
 `run.py` times whole sequences; this times the other way an RNN runs, one
-step per call with the state carried between calls, in the two patterns a
+step per call with the state carried between calls, in the three patterns a
 JAX user writes:
 - "loop": `--steps` one-step calls inside one jitted `jax.lax.scan` (the fast
   way to decode in JAX; XLA compiles the whole loop). Ours ("xla", and
@@ -13,6 +13,9 @@ JAX user writes:
 - "step": one jitted one-step call made from Python per token (a sampling
   loop in Python, as `jax_cudnn_rnn.demo` does): ours, Flax's cells, and
   PyTorch's `nn.LSTM` / `nn.GRU` given a one-step input (eager, `no_grad`).
+- "eager": the same one-step call made from Python without `jax.jit` (a
+  notebook, a first sketch): ours (its eager calls run a compiled, cached
+  program), Flax's cells (op by op), and PyTorch as in "step".
 Each step also computes `tanh(y @ P)` of its output (a fixed projection
 standing in for embedding a sampled token), which in the loop is the next
 step's input; a timed call from Python starts from the same input and state
@@ -88,16 +91,17 @@ def _inputs(shape: Shape):
 
 
 def _patterns(one, steps: int, params, x, state) -> dict:
-  """The two patterns of a JAX contender whose `one(params, x, state)` makes one
-  step and returns `(next x, next state)`: one jitted call, and a jitted loop of
-  `steps` of them; each call returns its result."""
+  """The three patterns of a JAX contender whose `one(params, x, state)` makes
+  one step and returns `(next x, next state)`: one jitted call, a jitted loop
+  of `steps` of them, and one call without `jit`; each returns its result."""
   def loop(params, x, state):
     return jax.lax.scan(lambda carry, _: (one(params, *carry), None), (x, state), None,
                         length=steps)[0]
 
   step, loop = jax.jit(one), jax.jit(loop)
   return {"step": lambda: jax.block_until_ready(step(params, x, state)),
-          "loop": lambda: jax.block_until_ready(loop(params, x, state))}
+          "loop": lambda: jax.block_until_ready(loop(params, x, state)),
+          "eager": lambda: jax.block_until_ready(one(params, x, state))}
 
 
 def ours(shape: Shape, steps: int, implementation: str) -> dict:
@@ -157,7 +161,7 @@ def torch_module(shape: Shape, device: str) -> dict:
     sync()
     return new_state
 
-  return {"step": step}
+  return {"step": step, "eager": step}  # PyTorch is eager either way
 
 
 def contenders(shape: Shape, steps: int, gpu: bool, have_torch: bool) -> dict:
@@ -176,10 +180,11 @@ def contenders(shape: Shape, steps: int, gpu: bool, have_torch: bool) -> dict:
 def markdown(results: list[dict], device: str, steps: int) -> str:
   lines = [f"# Decoding one step at a time on {device}", "",
            f"Microseconds per token; \"loop\": {steps} steps in one jitted `lax.scan`, "
-           "\"step\": one jitted call per token from Python. Ratio = peer's time / ours "
+           "\"step\": one jitted call per token from Python, \"eager\": one call per token "
+           "without `jit` (PyTorch's is its \"step\" again). Ratio = peer's time / ours "
            "(`ours-cudnn` on a GPU, else `ours-xla`); > 1 means we are faster.", ""]
   peers = sorted({r["impl"] for r in results} - {"ours-xla", "ours-cudnn"})
-  for pattern in ("loop", "step"):
+  for pattern in ("loop", "step", "eager"):
     section = [r for r in results if r["pattern"] == pattern]
     present = [p for p in peers if any(r["impl"] == p for r in section)]
     lines += [f"## {pattern}", ""]

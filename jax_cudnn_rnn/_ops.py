@@ -19,6 +19,8 @@ is the "xla" path's under `implementation=None` and an error under "cudnn"
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -149,8 +151,17 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
   backend = resolve_implementation(implementation)
   if backend == "auto" and not _cudnn.supports(spec, steps, batch, bool(time_major))[0]:
     backend = "xla"  # e.g. a data type this cuDNN lacks: None means "the best that runs"
+  operands = (x, h0, c0, params, lengths, dropout_key)
+  traced = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(operands))
+  y, h, c = (_dispatch if traced else _compiled_dispatch)(
+      spec, backend, apply_dropout, bool(time_major), *operands)
+  return (y, h, c) if spec.has_cell_state else (y, h)
+
+
+def _dispatch(spec, backend, apply_dropout, time_major, x, h0, c0, params, lengths, dropout_key):
+  """Runs the validated call on `backend` ("xla", "cudnn" or "auto")."""
   options = dict(seq_lengths=lengths, dropout_key=dropout_key, apply_dropout=apply_dropout,
-                 time_major=bool(time_major))
+                 time_major=time_major)
   xla = lambda *a: _xla.rnn(spec, *a, **options)
   if any(jax.export.is_symbolic_dim(d) for d in x.shape):
     # Shape-polymorphic jax.export: cuDNN's values, another derivative (_symbolic).
@@ -159,11 +170,23 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
   else:
     cudnn = lambda *a: _cudnn.rnn(spec, *a, **options)
   if backend == "xla":
-    y, h, c = xla(x, h0, c0, params)
-  elif backend == "cudnn":
-    y, h, c = cudnn(x, h0, c0, params)
-  else:
-    # Decided at lowering: cuDNN when the computation is placed on a CUDA
-    # device, the pure-JAX path on any other (a CPU device of a GPU machine).
-    y, h, c = jax.lax.platform_dependent(x, h0, c0, params, cuda=cudnn, default=xla)
-  return (y, h, c) if spec.has_cell_state else (y, h)
+    return xla(x, h0, c0, params)
+  if backend == "cudnn":
+    return cudnn(x, h0, c0, params)
+  # Decided at lowering: cuDNN when the computation is placed on a CUDA
+  # device, the pure-JAX path on any other (a CPU device of a GPU machine).
+  return jax.lax.platform_dependent(x, h0, c0, params, cuda=cudnn, default=xla)
+
+
+# An eager call (no operand traced: a notebook, a loop outside `jit`) runs
+# through a `jax.jit` of `_dispatch`, so that it compiles once per spec,
+# options and shapes and then runs from the cache. Called op by op, the
+# recurrence's scan and derivative rules were traced and compiled anew at every
+# call: 0.75 s a call against 1-2 ms (an LSTM, 2 layers, 64 units, T=50, B=8,
+# XLA:CPU). A traced call (under `jit`, `grad`, `vmap`) calls `_dispatch`
+# itself and makes the same program as before: differentiated through a nested
+# `jit`, the cuDNN path's program ran cuDNN's inference forward besides its
+# training forward (tests/test_cudnn_plumbing.py counts the calls).
+# `inline=True` inlines the call into an enclosing `jit` that closes over
+# concrete operands.
+_compiled_dispatch = jax.jit(_dispatch, static_argnums=(0, 1, 2, 3), inline=True)

@@ -8,11 +8,25 @@
 - implicit rank promotion raises (`jax_numpy_rank_promotion="raise"`), as in
   the codebases that set it: the library writes its broadcasts out
   (`_reference.lift`), so that it runs there too, and every test checks that.
+
+Each test starts with an empty cache of compiled eager calls
+(`_ops._compiled_dispatch`): tests stand models in for cuDNN and patch what a
+trace reads (`handler_model.py`), and an eager call must trace under the
+patches of its own test, not run a program compiled under another's.
 """
 
 import jax
+import pytest
+
+from jax_cudnn_rnn import _ops
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 if jax.default_backend() == "gpu":
   jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_eager_cache():
+  _ops._compiled_dispatch.clear_cache()
+  yield

@@ -3,7 +3,8 @@ and in its GPU configuration with the handler model (`handler_model.py`)
 standing in for cuDNN.
 
 The timings mean nothing here. What is checked: every contender is timed in
-each of its patterns (PyTorch, eager, has no jitted loop), a peer that cannot
+each of its patterns (PyTorch, eager, has no jitted loop; its "step" and
+"eager" are the same call), a peer that cannot
 run is reported and left out, each contender decodes what ours decodes (the
 same recurrence, so the same shapes through the loop), and the table's
 per-token figures and ratios are the JSON's.
@@ -37,12 +38,12 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys)
   record = json.loads((tmp_path / written[0]).read_text())
   assert record["steps"] == 3 and record["repeats"] == 2
   assert {"jax", "numpy", "cudnn", "commit"} <= set(record["versions"])
-  timed = {("ours-xla", "step"), ("ours-xla", "loop"), ("flax-cells", "step"),
-           ("flax-cells", "loop")}
+  patterns = ("loop", "step", "eager")
+  timed = {(impl, pattern) for impl in ("ours-xla", "flax-cells") for pattern in patterns}
   if as_gpu:
-    timed |= {("ours-cudnn", "step"), ("ours-cudnn", "loop")}
+    timed |= {("ours-cudnn", pattern) for pattern in patterns}
   if has_torch() and not as_gpu:
-    timed.add(("torch", "step"))
+    timed |= {("torch", "step"), ("torch", "eager")}
   if has_torch() and as_gpu:  # this CPU has no CUDA: reported, and the run goes on
     assert re.search(r"torch\s+skipped:", printed), printed
   for shape in tiny:
@@ -58,7 +59,7 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys)
   # The table: per-token microseconds, ratios against ours-cudnn on a GPU, else ours-xla.
   table = (tmp_path / written[1]).read_text()
   ours = "ours-cudnn" if as_gpu else "ours-xla"
-  for pattern in ("loop", "step"):
+  for pattern in patterns:
     section = table.split(f"## {pattern}\n")[1].split("##")[0]
     rows = [line for line in section.splitlines() if line.startswith("|")]
     peers = [c.strip()[:-len(" (us)")] for c in rows[0].strip("|").split("|")[2::2]]
@@ -78,7 +79,8 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys)
 def test_contenders_decode_the_same_recurrence_shapes():
   """Each JAX contender's loop returns the next input and the carried state with
   the shapes one step produces (a loop that dropped the state, or fed it back
-  in the wrong shape, would not compile or would decode something else)."""
+  in the wrong shape, would not compile or would decode something else), and
+  its eager step the values of its jitted one."""
   decode = load_benchmark("decode")
   shape = decode.Shape("lstm", 2, 3, 4, 2)
   for make in (lambda: decode.ours(shape, 3, "xla"), lambda: decode.flax_cells(shape, 3)):
@@ -88,3 +90,6 @@ def test_contenders_decode_the_same_recurrence_shapes():
     leaves = jax.tree.leaves(state)
     assert leaves and all(np.all(np.isfinite(leaf)) for leaf in leaves)
     assert {leaf.shape[-1] for leaf in leaves} == {4}
+    # Without jit, one step is the jitted step.
+    for got, want in zip(jax.tree.leaves(calls["eager"]()), jax.tree.leaves(calls["step"]())):
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

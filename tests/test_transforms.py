@@ -1,5 +1,5 @@
-"""jit, grad (check_grads), vmap and jax.checkpoint on the pure-JAX path, and the
-library where implicit rank promotion raises."""
+"""jit, grad (check_grads), vmap and jax.checkpoint on the pure-JAX path, eager
+calls compiled once, and the library where implicit rank promotion raises."""
 
 import functools
 
@@ -10,6 +10,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import _ops, _reference, _xla
 from helpers import SPEC_CLASSES, call, random_inputs
 
 
@@ -45,6 +46,35 @@ def test_jit_matches_eager(cls):
   for a, b in zip(eager, jitted):
     if a is not None:
       np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_eager_calls_compile_once_per_shape(cls, monkeypatch):
+  """Eager calls run from a compiled cache: the recurrence is traced once for
+  a spec, its options and shapes, not at every call; the values are the
+  plain reference's."""
+  spec, params, _, _, _ = _setup(cls)
+  traces = []
+  traced_rnn = _xla.rnn
+  monkeypatch.setattr(_xla, "rnn", lambda *a, **k: traces.append(a[1].shape) or traced_rnn(*a, **k))
+  _ops._compiled_dispatch.clear_cache()
+
+  def run(x, h, c, lengths, is_training):
+    got = call(spec, x, h, c, params, seq_lengths=lengths, is_training=is_training)
+    want = _reference.rnn(spec, x, h, c, params, seq_lengths=jnp.asarray(lengths))
+    for a, b in zip(got, want):
+      if b is not None:
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+  for seed, lengths in enumerate(([4, 2], [1, 0], [3, 4])):
+    run(*random_inputs(spec, 4, 2, seed=seed), np.array(lengths, np.int32), seed % 2 == 0)
+  # is_training without dropout to apply is the same computation: one trace.
+  assert traces == [(4, 2, 2)]
+  run(*random_inputs(spec, 6, 2, seed=5), np.array([6, 5], np.int32), False)
+  assert traces == [(4, 2, 2), (6, 2, 2)]
+  # Traced calls trace the recurrence in the caller's trace, as before.
+  jax.jit(lambda x: call(spec, x, None, None, params))(random_inputs(spec, 4, 2)[0])
+  assert traces == [(4, 2, 2), (6, 2, 2), (4, 2, 2)]
 
 
 def test_spec_as_static_jit_argument():
