@@ -19,8 +19,6 @@ is the "xla" path's under `implementation=None` and an error under "cudnn"
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import jax
 import jax.numpy as jnp
