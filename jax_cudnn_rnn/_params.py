@@ -28,7 +28,7 @@ def _check_params(spec, params) -> jax.Array:
         f"params must have shape ({size},) (params_size() of {spec}), got {tuple(params.shape)}")
   if np.dtype(params.dtype) != spec.dtype:
     raise TypeError(f"params must have dtype {spec.dtype.name}, got {np.dtype(params.dtype).name}")
-  return jnp.asarray(params)
+  return params if isinstance(params, jax.Array) else jnp.asarray(params)
 
 
 # Why a float64 buffer cannot be made or accepted: said by every check that meets one.
