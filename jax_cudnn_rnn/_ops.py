@@ -31,9 +31,7 @@ IMPLEMENTATIONS = (None, "xla", "cudnn")
 def _as_array(name: str, value) -> jax.Array:
   if isinstance(value, jax.Array):  # tracers too; jnp.asarray would take 20-30 us to return it
     return value
-  if isinstance(value, np.ndarray) or hasattr(value, "__jax_array__"):
-    return jnp.asarray(value)
-  if isinstance(value, (list, tuple, int, float)):
+  if isinstance(value, (np.ndarray, list, tuple, int, float)) or hasattr(value, "__jax_array__"):
     return jnp.asarray(value)
   raise TypeError(f"{name} must be an array, got {type(value).__name__}")
 

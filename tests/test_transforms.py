@@ -10,7 +10,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _ops, _reference, _xla
+from jax_cudnn_rnn import _reference, _xla
 from helpers import SPEC_CLASSES, call, random_inputs
 
 
@@ -52,12 +52,11 @@ def test_jit_matches_eager(cls):
 def test_eager_calls_compile_once_per_shape(cls, monkeypatch):
   """Eager calls run from a compiled cache: the recurrence is traced once for
   a spec, its options and shapes, not at every call; the values are the
-  plain reference's."""
+  plain reference's. (conftest starts each test with an empty cache.)"""
   spec, params, _, _, _ = _setup(cls)
   traces = []
   traced_rnn = _xla.rnn
   monkeypatch.setattr(_xla, "rnn", lambda *a, **k: traces.append(a[1].shape) or traced_rnn(*a, **k))
-  _ops._compiled_dispatch.clear_cache()
 
   def run(x, h, c, lengths, is_training):
     got = call(spec, x, h, c, params, seq_lengths=lengths, is_training=is_training)
