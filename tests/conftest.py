@@ -9,10 +9,11 @@
   the codebases that set it: the library writes its broadcasts out
   (`_reference.lift`), so that it runs there too, and every test checks that.
 
-Each test starts with an empty cache of compiled eager calls
-(`_ops._compiled_dispatch`): tests stand models in for cuDNN and patch what a
-trace reads (`handler_model.py`), and an eager call must trace under the
-patches of its own test, not run a program compiled under another's.
+Each test starts with empty caches of compiled eager calls
+(`_ops._compiled_dispatch`, `_ops._compiled_transformed_dispatch`): tests stand
+models in for cuDNN and patch what a trace reads (`handler_model.py`), and an
+eager call must trace under the patches of its own test, not run a program
+compiled under another's.
 """
 
 import jax
@@ -29,4 +30,5 @@ if jax.default_backend() == "gpu":
 @pytest.fixture(autouse=True)
 def _fresh_eager_cache():
   _ops._compiled_dispatch.clear_cache()
+  _ops._compiled_transformed_dispatch.clear_cache()
   yield

@@ -100,6 +100,21 @@ def test_dropout_runs_layer_by_layer_with_the_reference_masks(handlers, cls):
                             "jcr_rnn_backward_weights": 3}
 
 
+def test_eager_gradient_makes_only_the_training_calls(handlers):
+  """A gradient taken outside `jit` on the cuDNN path is traced in the
+  caller's trace, at every call (`_ops`: through a nested `jit` it traced
+  cuDNN's inference call besides its training call), and matches the "xla"
+  path."""
+  spec = jcr.CudnnLSTM(2, 4, 3, direction="bidirectional", dtype=jnp.float64)
+  x, h, c, params = _inputs(spec, 5, 2, True)
+  loss = lambda p, impl: jnp.sum(jnp.sin(spec(x, h, c, p, implementation=impl)[0]))
+  for _ in range(2):
+    np.testing.assert_allclose(jax.grad(loss)(params, "cudnn"), jax.grad(loss)(params, "xla"),
+                               rtol=1e-10, atol=1e-12)
+  assert handlers.calls == {"jcr_rnn_forward_training": 2, "jcr_rnn_backward_data": 2,
+                            "jcr_rnn_backward_weights": 2}
+
+
 def test_dropout_params_gradient_is_one_concatenation(handlers):
   """With dropout each layer's call takes its own buffer (`_cudnn._layer_buffers`),
   cut from one split of the opaque buffer: the gradient is one concatenation of

@@ -1,5 +1,6 @@
 """jit, grad (check_grads), vmap and jax.checkpoint on the pure-JAX path, eager
-calls compiled once, and the library where implicit rank promotion raises."""
+calls and eager transformations compiled once, and the library where implicit rank
+promotion raises."""
 
 import functools
 
@@ -74,6 +75,67 @@ def test_eager_calls_compile_once_per_shape(cls, monkeypatch):
   # Traced calls trace the recurrence in the caller's trace, as before.
   jax.jit(lambda x: call(spec, x, None, None, params))(random_inputs(spec, 4, 2)[0])
   assert traces == [(4, 2, 2), (6, 2, 2), (4, 2, 2)]
+
+
+@pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])  # the dispatch is mode-blind
+def test_eager_transformations_compile_once_per_shape(cls, monkeypatch):
+  """A transformation applied outside `jit` (`jax.grad`, `jax.jvp`,
+  `jax.linearize`, `jax.vmap`) traces the "xla" recurrence once for a spec,
+  options and shapes, and its values are autodiff's (and a loop's) of the
+  plain reference; under `jit` or `jax.checkpoint` the call traces in the
+  caller's trace, as before."""
+  spec = cls(2, 3, 2, direction="bidirectional", dtype=jnp.float64, dropout=0.3)
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = random_inputs(spec, 4, 2)
+  key = jax.random.key(3)
+  lengths = np.array([4, 2], np.int32)
+  traces = []
+  traced_rnn = _xla.rnn
+  monkeypatch.setattr(_xla, "rnn", lambda *a, **k: traces.append(a[1].shape) or traced_rnn(*a, **k))
+
+  def loss(rnn):
+    def f(x, h, c, params):
+      y, hn, cn = rnn(x, h, c, params)
+      return jnp.sum(jnp.sin(y)) + jnp.sum(hn ** 2) + (0 if cn is None else jnp.sum(jnp.cos(cn)))
+    return f
+
+  ours = loss(lambda *a: call(spec, *a, seq_lengths=lengths, dropout_key=key))
+  ref = loss(lambda x, h, c, p: _reference.rnn(spec, x, h, c, p, seq_lengths=jnp.asarray(lengths),
+                                               dropout_key=key, apply_dropout=True))
+  args = (x, h, c, params)
+  argnums = (0, 1, 2, 3) if spec.has_cell_state else (0, 1, 3)
+  want = jax.jit(jax.grad(ref, argnums))(*args)  # jitted: the reference's own speed is not tested
+  for _ in range(3):
+    got = jax.grad(ours, argnums)(*args)
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+  assert traces == [(4, 2, 2)]
+  # Forward mode and linearize differentiate the same traced program.
+  tangents = tuple(jnp.ones_like(a) if a is not None else None for a in args)
+  primal_out, tangent_out = jax.jvp(ours, args, tangents)
+  want_out, want_tangent = jax.jit(lambda a, t: jax.jvp(ref, a, t))(args, tangents)
+  np.testing.assert_allclose(primal_out, want_out, rtol=1e-12)
+  np.testing.assert_allclose(tangent_out, want_tangent, rtol=1e-10)
+  np.testing.assert_allclose(jax.linearize(ours, *args)[1](*tangents), want_tangent, rtol=1e-10)
+  assert traces == [(4, 2, 2)]
+  # A new length traces once more.
+  x6 = random_inputs(spec, 6, 2)[0]
+  jax.grad(ours, 3)(x6, h, c, params), jax.grad(ours, 3)(x6, h, c, params)
+  assert traces == [(4, 2, 2), (6, 2, 2)]
+  # vmap, of the call and of its gradient: the program traced above, batched.
+  xs = jnp.stack([x, 2 * x])
+  want = [jax.jit(ref)(v, h, c, params) for v in xs]
+  want_grads = [jax.jit(jax.grad(ref, 3))(v, h, c, params) for v in xs]
+  for _ in range(2):
+    got = jax.vmap(ours, (0, None, None, None))(xs, h, c, params)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    got = jax.vmap(jax.grad(ours, 3), (0, None, None, None))(xs, h, c, params)
+    np.testing.assert_allclose(got, want_grads, rtol=1e-10, atol=1e-12)
+  assert traces == [(4, 2, 2), (6, 2, 2)]
+  # Under jit, or jax.checkpoint, the caller's trace, at every trace.
+  jax.jit(jax.grad(ours, 3))(*args)
+  jax.grad(jax.checkpoint(ours), 3)(*args)
+  assert traces == [(4, 2, 2), (6, 2, 2), (4, 2, 2), (4, 2, 2)]
 
 
 def test_spec_as_static_jit_argument():
