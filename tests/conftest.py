@@ -14,12 +14,18 @@ Each test starts with empty caches of compiled eager calls
 models in for cuDNN and patch what a trace reads (`handler_model.py`), and an
 eager call must trace under the patches of its own test, not run a program
 compiled under another's.
+
+`sizes` (for the test files that lower the cuDNN path on this CPU): cuDNN
+said to be available, with the handler model's sizes and the analytic layout
+(`handler_model.py`); the FFI calls themselves are left alone (they can be
+lowered, not run).
 """
 
 import jax
 import pytest
 
 from jax_cudnn_rnn import _ops
+from handler_model import HandlerModel
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -32,3 +38,9 @@ def _fresh_eager_cache():
   _ops._compiled_dispatch.clear_cache()
   _ops._compiled_transformed_dispatch.clear_cache()
   yield
+
+
+@pytest.fixture
+def sizes(monkeypatch):
+  """cuDNN said to be available, with the handler model's sizes (module doc)."""
+  return HandlerModel().install(monkeypatch.setattr, handlers=False)

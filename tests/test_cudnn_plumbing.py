@@ -22,20 +22,12 @@ import pytest
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _cudnn
-from handler_model import HandlerModel
 from helpers import SPEC_CLASSES, assert_gradient_is_one_concatenation, call, random_inputs
 
 
 @pytest.fixture
-def sizes(monkeypatch):
-  """cuDNN said to be available, with the model's sizes and the analytic layout;
-  the FFI calls themselves are left alone (they can be lowered, not run)."""
-  return HandlerModel().install(monkeypatch.setattr, handlers=False)
-
-
-@pytest.fixture
 def handlers(sizes, monkeypatch):
-  """As `sizes`, and the FFI calls answered by the model."""
+  """As conftest's `sizes`, and the FFI calls answered by the model."""
   return sizes.install(monkeypatch.setattr)
 
 

@@ -119,13 +119,6 @@ def test_linen_module_with_symbolic_batch_and_time():
 # -- the cuDNN path, lowered for CUDA on this machine (the handler model's sizes) --------
 
 
-@pytest.fixture
-def sizes(monkeypatch):
-  """cuDNN said to be available, with the model's sizes; the FFI calls are
-  lowered, not run."""
-  return HandlerModel().install(monkeypatch.setattr, handlers=False)
-
-
 def _lstm():
   spec = jcr.CudnnLSTM(num_layers=2, num_units=6, input_size=3, direction="bidirectional")
   return spec, spec.init_params(jax.random.key(2))

@@ -13,6 +13,7 @@ TF1 reader serves a checkpoint written by `interop.to_tf1_checkpoint`, as
 `tf.train.load_checkpoint(...).get_tensor` would serve TensorFlow's.
 """
 
+import contextlib
 import pathlib
 import re
 import textwrap
@@ -25,7 +26,6 @@ import pytest
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _cudnn, _reference, interop
-from handler_model import HandlerModel
 from helpers import relative_error
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
@@ -114,14 +114,9 @@ def test_tf1_checkpoint_reading():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture
-def lowered_for_cuda(monkeypatch):
-  """cuDNN said to be available, with the handler model's sizes: the block's
-  export for CUDA is lowered on this CPU, its cuDNN calls not run."""
-  return HandlerModel().install(monkeypatch.setattr, handlers=False)
-
-
-def test_export_for_cpu_and_cuda(lowered_for_cuda):
+def test_export_for_cpu_and_cuda(sizes):
+  """The block's export for CUDA is lowered on this CPU with the handler
+  model's sizes (conftest's `sizes`), its cuDNN calls not run."""
   pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
   from jax import export
   spec = jcr.CudnnGRU(2, 6, 3)
@@ -129,12 +124,11 @@ def test_export_for_cpu_and_cuda(lowered_for_cuda):
   x = jax.random.normal(jax.random.key(3), (7, 2, 3), jnp.float32)
   f = lambda x, params: spec(x, None, params, is_training=False)[0]
   ns = dict(export=export, jax=jax, jcr=jcr, f=f, x=x, params=params)
-  if _cudnn._load()[0] is None:
-    # No native library here: the serving process's `register_ffi_targets`
-    # says so and the block stops there, before its last line, run below.
-    with pytest.raises(RuntimeError, match="native library"):
-      _run("export", ns)
-  else:
+  # Without the native library, the serving process's `register_ffi_targets`
+  # says so and the block stops there, before its last line, run below.
+  stops = (pytest.raises(RuntimeError, match="native library") if _cudnn._load()[0] is None
+           else contextlib.nullcontext())
+  with stops:
     _run("export", ns)
   got = export.deserialize(ns["blob"]).call(x, params)  # its last line, on the CPU
   assert _cudnn.in_compiled(ns["exported"].mlir_module())

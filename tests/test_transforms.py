@@ -49,15 +49,22 @@ def test_jit_matches_eager(cls):
       np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.fixture
+def xla_traces(monkeypatch):
+  """The input shapes `_xla.rnn` is traced with, in order, as the test runs."""
+  traces = []
+  traced_rnn = _xla.rnn
+  monkeypatch.setattr(_xla, "rnn", lambda *a, **k: traces.append(a[1].shape) or traced_rnn(*a, **k))
+  return traces
+
+
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
-def test_eager_calls_compile_once_per_shape(cls, monkeypatch):
+def test_eager_calls_compile_once_per_shape(cls, xla_traces):
   """Eager calls run from a compiled cache: the recurrence is traced once for
   a spec, its options and shapes, not at every call; the values are the
   plain reference's. (conftest starts each test with an empty cache.)"""
   spec, params, _, _, _ = _setup(cls)
-  traces = []
-  traced_rnn = _xla.rnn
-  monkeypatch.setattr(_xla, "rnn", lambda *a, **k: traces.append(a[1].shape) or traced_rnn(*a, **k))
+  traces = xla_traces
 
   def run(x, h, c, lengths, is_training):
     got = call(spec, x, h, c, params, seq_lengths=lengths, is_training=is_training)
@@ -78,7 +85,7 @@ def test_eager_calls_compile_once_per_shape(cls, monkeypatch):
 
 
 @pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])  # the dispatch is mode-blind
-def test_eager_transformations_compile_once_per_shape(cls, monkeypatch):
+def test_eager_transformations_compile_once_per_shape(cls, xla_traces):
   """A transformation applied outside `jit` (`jax.grad`, `jax.jvp`,
   `jax.linearize`, `jax.vmap`) traces the "xla" recurrence once for a spec,
   options and shapes, and its values are autodiff's (and a loop's) of the
@@ -89,9 +96,7 @@ def test_eager_transformations_compile_once_per_shape(cls, monkeypatch):
   x, h, c = random_inputs(spec, 4, 2)
   key = jax.random.key(3)
   lengths = np.array([4, 2], np.int32)
-  traces = []
-  traced_rnn = _xla.rnn
-  monkeypatch.setattr(_xla, "rnn", lambda *a, **k: traces.append(a[1].shape) or traced_rnn(*a, **k))
+  traces = xla_traces
 
   def loss(rnn):
     def f(x, h, c, params):
