@@ -6,16 +6,25 @@
 #   bash benchmarks/gpu_session.sh                  # build gpu-tests
 #   bash benchmarks/gpu_session.sh suite bench-full # any stages, in order
 #
-# Stages: build, gpu-tests (test_cudnn.py and the native library's checks; the
-# plumbing tests are CPU-only and run in `suite`), demo, suite (every test, on the GPU backend: the
-# adapters and the demo then run cuDNN through implementation=None),
-# bench-quick, bench-full, bench-decode (benchmarks/decode.py). A device
-# command may run 10 minutes, so the stages
-# of one call share a budget (BUDGET seconds, default 570): each gets what is
-# left, a stage that would start with under 30 s is skipped, and the call always
-# comes back with its logs. The build stays between calls while the machine is
-# warm, so a session runs, for example: `build gpu-tests`, then `demo
-# bench-quick`, then `suite`.
+# Stages: build (a failed build ends the run: nothing after it could pass),
+# gpu-checks (the native library's checks, the layout with a real handle, and
+# the tests that need a real device: dispatch, errors, memory, export),
+# gpu-sweep (the rest of test_cudnn.py, the sweeps against the reference, spread
+# over pytest-xdist's workers where it is installed), gpu-tests (both), demo,
+# suite (every test, on the GPU backend: the adapters and the demo then run
+# cuDNN through implementation=None; the plumbing tests are CPU-only and run
+# there), bench-quick, bench-full, bench-decode (benchmarks/decode.py).
+#
+# A device command may run 10 minutes, so the stages of one call share a budget
+# (BUDGET seconds, default 570): each gets what is left, a stage that would start
+# with under 30 s is skipped, a benchmark starts no new shape in its last minute
+# (run.py --budget-s, which writes its files after every shape), and pytest stops
+# a test after TEST_TIMEOUT seconds (default 300) where pytest-timeout is
+# installed. With PACK=<file>, everything in the output folder is packed into
+# that .tgz after every stage (the device tool brings back only a few files, and
+# nothing from a command killed at its limit but what it already wrote). The
+# build stays between calls while the machine is warm, so a session can run,
+# for example: `build gpu-checks demo gpu-sweep bench-quick`, then `bench-full`.
 set -uo pipefail
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
@@ -45,29 +54,46 @@ run_stage() {
     return
   fi
   echo "== $name ($(date +%T), ${left}s left) =="
-  PYTHONUNBUFFERED=1 timeout "$left" "$@"
+  STAGE_LEFT=$left PYTHONUNBUFFERED=1 timeout "$left" "$@"
   local rc=$?
   echo "== $name: exit $rc =="
   echo "$name $rc" >> "$out/stages.txt"
+  [ -n "${PACK:-}" ] && tar czf "$PACK" -C "$out" .
+  return $rc
+}
+
+# pytest's options common to the GPU stages.
+pytest_opts="-rs"
+python3 -c "import pytest_timeout" 2>/dev/null && pytest_opts+=" --timeout ${TEST_TIMEOUT:-300}"
+workers=""
+python3 -c "import xdist" 2>/dev/null && workers="-n ${WORKERS:-8}"
+layout=tests/test_cudnn.py::test_analytic_layout_equals_cudnn
+
+run_gpu_sweep() {
+  # Each worker takes GPU memory as it needs it instead of 75% of it up front.
+  run_stage gpu-sweep bash -c "set -o pipefail; XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    python3 -m pytest -v $pytest_opts $workers --durations=10 tests/test_cudnn.py \
+    -m 'not needs_device' --deselect $layout 2>&1 | tee '$out/gpu-sweep-$stamp.log' | tail -40"
 }
 
 for stage in "${stages[@]}"; do
   case "$stage" in
     build)
       run_stage build bash -c "set -o pipefail; python3 -m pip install --no-build-isolation --no-deps -e . \
-        -Ccmake.define.JCR_REQUIRE_CUDA=ON 2>&1 | tail -20 | tee '$out/build.log'"
+        -Ccmake.define.JCR_REQUIRE_CUDA=ON 2>&1 | tee '$out/build.log' | tail -40" \
+        || { echo "the build failed: later stages are not run"; exit 1; }
       versions ;;
-    gpu-tests)
+    gpu-checks|gpu-tests)
       # The quick checks first (the library, the layout with a real handle, dispatch,
-      # errors, memory), then the sweeps, so a stage cut short by the budget still has them.
-      layout=tests/test_cudnn.py::test_analytic_layout_equals_cudnn
-      run_stage gpu-tests bash -c "set -o pipefail; {
+      # errors, memory, export), so that a call cut short by its budget has them.
+      run_stage gpu-checks bash -c "set -o pipefail; {
         rc=0
-        python3 -m pytest -v -rs tests/test_native_library.py $layout || rc=1
-        python3 -m pytest -v -rs tests/test_cudnn.py -m needs_device || rc=1
-        python3 -m pytest -v -rs --durations=10 tests/test_cudnn.py -m 'not needs_device' \\
-          --deselect $layout || rc=1
-        exit \$rc; } 2>&1 | tee '$out/gpu-tests-$stamp.log' | tail -60" ;;
+        python3 -m pytest -v $pytest_opts tests/test_native_library.py $layout || rc=1
+        python3 -m pytest -v $pytest_opts tests/test_cudnn.py -m needs_device || rc=1
+        exit \$rc; } 2>&1 | tee '$out/gpu-checks-$stamp.log' | tail -40"
+      [ "$stage" = gpu-tests ] && run_gpu_sweep ;;
+    gpu-sweep)
+      run_gpu_sweep ;;
     demo)
       run_stage demo bash -c "set -o pipefail; python3 -m jax_cudnn_rnn.demo 2>&1 | sed -u 's/\r/\n/g' \
         | tee '$out/demo-$stamp.log' | tail -25" ;;
@@ -75,13 +101,15 @@ for stage in "${stages[@]}"; do
       run_stage suite bash -c "set -o pipefail; python3 -m pytest -q -rf --deselect tests/test_cudnn.py 2>&1 \
         | tee '$out/suite-$stamp.log' | tail -40" ;;
     bench-quick)
-      run_stage bench-quick bash -c "set -o pipefail; python3 benchmarks/run.py --quick --out-dir '$out' 2>&1 | tail -40" ;;
+      run_stage bench-quick bash -c "set -o pipefail; python3 benchmarks/run.py --quick --out-dir '$out' --budget-s \$((STAGE_LEFT - 60)) 2>&1 \
+        | tee '$out/bench-quick-$stamp.log' | tail -40" ;;
     bench-full)
-      run_stage bench-full bash -c "set -o pipefail; python3 benchmarks/run.py --out-dir '$out' 2>&1 | tail -60" ;;
+      run_stage bench-full bash -c "set -o pipefail; python3 benchmarks/run.py --out-dir '$out' --budget-s \$((STAGE_LEFT - 60)) 2>&1 \
+        | tee '$out/bench-full-$stamp.log' | tail -60" ;;
     bench-decode)
       run_stage bench-decode bash -c "set -o pipefail; python3 benchmarks/decode.py --out-dir '$out' 2>&1 | tail -40" ;;
     *)
-      echo "unknown stage $stage (build, gpu-tests, demo, suite, bench-quick, bench-full, bench-decode)"
+      echo "unknown stage $stage (build, gpu-checks, gpu-sweep, gpu-tests, demo, suite, bench-quick, bench-full, bench-decode)"
       exit 2 ;;
   esac
 done

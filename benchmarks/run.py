@@ -451,6 +451,14 @@ def setting(machine: str | None):
   return gpu, have_torch, f"{device.platform}:{device.device_kind}", cpu, machine
 
 
+def _write(out_dir: pathlib.Path, stem: str, record: dict, device: str) -> str:
+  """Writes the JSON record and the markdown table; returns the table."""
+  (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=1))
+  table = markdown(record["results"], device)
+  (out_dir / f"{stem}.md").write_text(table)
+  return table
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -466,6 +474,9 @@ def main(argv=None) -> int:
   parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--machine", default=None, help="name in the output files")
   parser.add_argument("--only", default=None, help="comma-separated contenders to run")
+  parser.add_argument("--budget-s", type=float, default=None,
+                      help="start no new shape after this many seconds (the files written "
+                           "after each shape then hold the shapes finished)")
   args = parser.parse_args(argv)
   repeats = args.repeats or (12 if args.quick else 21)
   # One timing per contender per round by default: on a noisy machine (this
@@ -478,8 +489,25 @@ def main(argv=None) -> int:
   # A first compilation pays once for what every later one reuses (the backend's
   # start-up, JAX's own first traces): not on the first contender's account.
   jax.jit(lambda x: jnp.tanh(x) @ x).lower(jnp.ones((2, 2))).compile()
-  results = []
-  for shape in grid(args.quick, gpu):
+  out_dir = pathlib.Path(args.out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  # Names built whole, not with `with_suffix`: a machine name may hold a dot ("jax0.12").
+  stem = f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
+  record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
+            "cpu": cpu, "versions": versions(), "quick": args.quick, "repeats": repeats,
+            "warmup": args.warmup, "rounds": rounds, "lead_in": args.lead_in,
+            "memory_measure": MEMORY_MEASURE, "compile_measure": COMPILE_MEASURE,
+            "results": []}
+  table_device = device_name if gpu else (
+      f"{device_name} ({cpu['model']}; {', '.join(cpu['isa']) or 'no AVX2'})")
+  results = record["results"]
+  started = time.perf_counter()
+  shapes = grid(args.quick, gpu)
+  for done, shape in enumerate(shapes):
+    if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+      record["cut_short"] = f"--budget-s {args.budget_s:g}: {len(shapes) - done} shapes not run"
+      print(record["cut_short"])
+      break
     timed, memory, compile_s = {}, {}, {}
     for impl, make in contenders(shape, gpu, have_torch).items():
       if only and impl not in only:
@@ -504,19 +532,9 @@ def main(argv=None) -> int:
       results.append(r)
       print(f"{shape.name:55s} {impl:22s} {phase:8s} {r['median_s'] * 1e3:9.2f} ms "
             f"(iqr {r['iqr_s'] * 1e3:.2f})", flush=True)
-  out_dir = pathlib.Path(args.out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  # Names built whole, not with `with_suffix`: a machine name may hold a dot ("jax0.12").
-  stem = f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
-  record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
-            "cpu": cpu, "versions": versions(), "quick": args.quick, "repeats": repeats,
-            "warmup": args.warmup, "rounds": rounds, "lead_in": args.lead_in,
-            "memory_measure": MEMORY_MEASURE, "compile_measure": COMPILE_MEASURE,
-            "results": results}
-  (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=1))
-  table = markdown(results, device_name if gpu else
-                   f"{device_name} ({cpu['model']}; {', '.join(cpu['isa']) or 'no AVX2'})")
-  (out_dir / f"{stem}.md").write_text(table)
+    # After every shape, so that a run stopped from outside keeps what it measured.
+    _write(out_dir, stem, record, table_device)
+  table = _write(out_dir, stem, record, table_device)
   plotted = plot(results, out_dir / f"{stem}.png", device_name)
   print("\n" + table)
   print(f"wrote {out_dir / stem}.json/.md{'/.png' if plotted else ''}")

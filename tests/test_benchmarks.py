@@ -170,3 +170,33 @@ def test_a_contender_failing_after_its_warm_up_is_reported_and_the_others_timed(
   assert timed["flaky"] == {"error": "MemoryError: out of device memory"}
   assert calls["n"] == 3  # not called again once it failed
   assert timed["ok"]["repeats"] == 4
+
+
+def test_each_shape_is_written_as_it_finishes_and_a_budget_stops_new_shapes(tmp_path, monkeypatch):
+  # A lent GPU's command is stopped at its limit: what was measured before must be on disk.
+  run = load_benchmark("run")
+  first, second = run.Shape(**TINY), run.Shape(**dict(TINY, mode="gru"))
+  monkeypatch.setattr(run, "grid", lambda quick, gpu: [first, second])
+  timed = run._time_interleaved
+  def stopped_on_the_second_shape(fns, *args, **kwargs):
+    if stopped_on_the_second_shape.calls == 1:
+      raise KeyboardInterrupt  # as a kill at the command's limit would stop it
+    stopped_on_the_second_shape.calls += 1
+    return timed(fns, *args, **kwargs)
+  stopped_on_the_second_shape.calls = 0
+  monkeypatch.setattr(run, "_time_interleaved", stopped_on_the_second_shape)
+  args = ["--quick", "--repeats", "1", "--warmup", "1", "--only", "ours-xla",
+          "--out-dir", str(tmp_path), "--machine", "m"]
+  with pytest.raises(KeyboardInterrupt):
+    run.main(args)
+  record = json.loads(next(tmp_path.glob("m-*-quick.json")).read_text())
+  assert {(r["shape"], r["phase"]) for r in record["results"]} == {
+      (first.name, "fwd"), (first.name, "fwd+bwd")}
+  assert first.name in next(tmp_path.glob("m-*-quick.md")).read_text()
+  assert "cut_short" not in record
+
+  # A budget already spent: no shape starts, the record says so.
+  monkeypatch.setattr(run, "_time_interleaved", timed)
+  assert run.main(args + ["--budget-s", "0"]) == 0
+  record = json.loads(next(tmp_path.glob("m-*-quick.json")).read_text())
+  assert record["results"] == [] and record["cut_short"] == "--budget-s 0: 2 shapes not run"
