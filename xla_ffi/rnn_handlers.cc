@@ -90,15 +90,25 @@ Error Prepare(cudaStream_t stream, const RnnAttrs& attrs, const AnyBuffer& x_lik
   return Error::Success();
 }
 
+// XLA's scratch allocator refuses any alignment above 16 bytes
+// (XLA_FFI_DeviceMemory_Allocate's kMaxAlignment; seen on an H200 with jax 0.11.2,
+// where asking for 256 failed every call), so the workspace is over-allocated by
+// kWorkspaceAlignment - 1 bytes and its start rounded up to cuDNN's preferred alignment.
+constexpr size_t kScratchAlignment = 16;
+constexpr size_t kWorkspaceAlignment = 256;
+
 Error Allocate(ffi::ScratchAllocator& scratch, size_t size, void** out) {
   *out = nullptr;
   if (size == 0) return Error::Success();
-  std::optional<void*> memory = scratch.Allocate(size, /*alignment=*/256);
+  std::optional<void*> memory =
+      scratch.Allocate(size + kWorkspaceAlignment - 1, kScratchAlignment);
   if (!memory.has_value()) {
     return Error(ffi::ErrorCode::kResourceExhausted,
-                 "could not allocate " + std::to_string(size) + " bytes of cuDNN RNN workspace");
+                 "could not allocate " + std::to_string(size) +
+                     " bytes of cuDNN RNN workspace from XLA's scratch allocator");
   }
-  *out = *memory;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(*memory);
+  *out = reinterpret_cast<void*>((start + kWorkspaceAlignment - 1) & ~(kWorkspaceAlignment - 1));
   return Error::Success();
 }
 
