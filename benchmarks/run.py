@@ -344,37 +344,43 @@ def cpu_description() -> dict:
   return {"model": model, "isa": isa}
 
 
-def ratio_table(results: list[dict], peers: list[str], value: str, unit: str,
+def ours_of(results: list[dict]) -> str:
+  """The contender the tables call ours: `ours-cudnn` where the run has it (a GPU),
+  else `ours-xla`. A shape where it failed shows "—", never the other path's figure."""
+  return "ours-cudnn" if any(r["impl"] == "ours-cudnn" for r in results) else "ours-xla"
+
+
+def ratio_table(results: list[dict], ours: str, peers: list[str], value: str, unit: str,
                 scale: float, digits: int) -> list[str]:
   """The lines of one markdown table of `results` (one section's): per shape,
-  ours (`ours-cudnn` where it ran, else `ours-xla`) and each peer's `value`,
-  times `scale`, in `unit`, and the peer's ratio to ours."""
+  `ours`' and each peer's `value`, times `scale`, in `unit`, and the peer's ratio
+  to ours."""
   lines = ["| shape | ours (" + unit + ") | " +
            " | ".join(f"{p} ({unit}) | ratio" for p in peers) + " |",
            "|---|---:|" + "---:|---:|" * len(peers)]
   for shape in dict.fromkeys(r["shape"] for r in results):
     rows = {r["impl"]: r for r in results if r["shape"] == shape}
-    mine = rows.get("ours-cudnn") or rows.get("ours-xla")
-    if mine is None:
-      continue
-    cells = [f"{mine[value] * scale:.{digits}f}"]
+    mine = rows.get(ours)
+    cells = [f"{mine[value] * scale:.{digits}f}" if mine else "—"]
     for p in peers:
       r = rows.get(p)
-      cells += ([f"{r[value] * scale:.{digits}f}", f"{r[value] / mine[value]:.2f}x"]
-                if r else ["—", "—"])
+      cells += [f"{r[value] * scale:.{digits}f}" if r else "—",
+                f"{r[value] / mine[value]:.2f}x" if r and mine else "—"]
     lines.append(f"| {shape} | " + " | ".join(cells) + " |")
   return lines
 
 
 def markdown(results: list[dict], device: str) -> str:
+  ours = ours_of(results)
   lines = [f"# RNN benchmarks on {device}", "",
-           "Ratio = peer's median time / ours (`ours-cudnn` on a GPU, else `ours-xla`); "
-           "> 1 means we are faster.", ""]
-  peers = sorted({r["impl"] for r in results} - {"ours-xla", "ours-cudnn"})
+           f"Ours = `{ours}`: `ours-cudnn` where it ran (a GPU, where our \"xla\" path is "
+           "then a column of its own), else `ours-xla`. Ratio = the column's median time / "
+           "ours; > 1 means ours is faster; — where a contender did not run.", ""]
+  peers = sorted({r["impl"] for r in results} - {ours})
   for phase in ("fwd", "fwd+bwd"):
     lines += [f"## {phase}", ""]
-    lines += ratio_table([r for r in results if r["phase"] == phase], peers, "median_s", "ms",
-                         1e3, 2)
+    lines += ratio_table([r for r in results if r["phase"] == phase], ours, peers, "median_s",
+                         "ms", 1e3, 2)
     lines.append("")
   mib = lambda r: "—" if r is None or r.get("memory_bytes") is None else \
       f"{r['memory_bytes'] / 2**20:.1f}"
@@ -383,8 +389,7 @@ def markdown(results: list[dict], device: str) -> str:
             "| shape | ours | " + " | ".join(peers) + " |", "|---|---:|" + "---:|" * len(peers)]
   for shape in dict.fromkeys(r["shape"] for r in results):
     rows = {r["impl"]: r for r in results if r["shape"] == shape and r["phase"] == "fwd+bwd"}
-    mine = rows.get("ours-cudnn") or rows.get("ours-xla")
-    lines.append(f"| {shape} | {mib(mine)} | " + " | ".join(mib(rows.get(p)) for p in peers) + " |")
+    lines.append(f"| {shape} | {mib(rows.get(ours))} | " + " | ".join(mib(rows.get(p)) for p in peers) + " |")
   lines.append("")
   # Compile times: for the contenders compiled ahead of their calls (not PyTorch).
   compiled = [i for i in dict.fromkeys(r["impl"] for r in results)

@@ -80,10 +80,10 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
     if has_torch():
       assert re.search(r"torch\s+skipped:", printed), printed
 
-  # The table: against ours-cudnn on a GPU, ours-xla elsewhere; ours-xla is
-  # then no peer.
+  # The table: against ours-cudnn on a GPU, where ours-xla is a column of its
+  # own; against ours-xla elsewhere.
   table = (tmp_path / written[1]).read_text()
-  peers = sorted(timed - {"ours-xla", "ours-cudnn"})
+  peers = sorted(timed - {ours})
   for phase in ("fwd", "fwd+bwd"):
     section = table.split(f"## {phase}\n")[1].split("##")[0]
     header, _, row = [line for line in section.splitlines() if line.startswith("|")][:3]
@@ -200,3 +200,20 @@ def test_each_shape_is_written_as_it_finishes_and_a_budget_stops_new_shapes(tmp_
   assert run.main(args + ["--budget-s", "0"]) == 0
   record = json.loads(next(tmp_path.glob("m-*-quick.json")).read_text())
   assert record["results"] == [] and record["cut_short"] == "--budget-s 0: 2 shapes not run"
+
+
+def test_a_shape_where_ours_failed_shows_no_other_figure_as_ours():
+  # On a GPU, a shape where ours-cudnn failed must not show ours-xla's time as ours
+  # (it did once: every cuDNN call failed, and the table compared the "xla" path).
+  run = load_benchmark("run")
+  def result(shape, impl, ms):
+    return {"shape": shape, "impl": impl, "phase": "fwd", "median_s": ms / 1e3}
+  results = [result("a", "ours-xla", 1.0), result("a", "ours-cudnn", 2.0), result("a", "torch", 3.0),
+             result("b", "ours-xla", 1.0), result("b", "torch", 4.0)]
+  assert run.ours_of(results) == "ours-cudnn"
+  assert run.ours_of([r for r in results if r["impl"] != "ours-cudnn"]) == "ours-xla"
+  lines = run.ratio_table(results, "ours-cudnn", ["ours-xla", "torch"], "median_s", "ms", 1e3, 2)
+  assert lines[0] == "| shape | ours (ms) | ours-xla (ms) | ratio | torch (ms) | ratio |"
+  assert lines[2] == "| a | 2.00 | 1.00 | 0.50x | 3.00 | 1.50x |"
+  assert lines[3] == "| b | — | 1.00 | — | 4.00 | — |"
+  assert "Ours = `ours-cudnn`:" in run.markdown(results, "gpu:test")
