@@ -96,6 +96,9 @@ Error Prepare(cudaStream_t stream, const RnnAttrs& attrs, const AnyBuffer& x_lik
 // kWorkspaceAlignment - 1 bytes and its start rounded up to cuDNN's preferred alignment.
 constexpr size_t kScratchAlignment = 16;
 constexpr size_t kWorkspaceAlignment = 256;
+static_assert(kScratchAlignment <= 16, "XLA's scratch allocator refuses alignments above 16");
+static_assert((kWorkspaceAlignment & (kWorkspaceAlignment - 1)) == 0,
+              "the workspace is rounded up with a mask: a power of two");
 
 Error Allocate(ffi::ScratchAllocator& scratch, size_t size, void** out) {
   *out = nullptr;
