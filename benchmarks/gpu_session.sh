@@ -13,7 +13,9 @@
 # over pytest-xdist's workers where it is installed), gpu-tests (both), demo,
 # suite (every test, on the GPU backend: the adapters and the demo then run
 # cuDNN through implementation=None; the plumbing tests are CPU-only and run
-# there), bench-quick, bench-full, bench-decode (benchmarks/decode.py).
+# there), bench-quick, bench-full, bench-decode (benchmarks/decode.py), profile
+# (benchmarks/profile_gpu.py: the kernels of one call of each contender, at the small
+# shapes where session 38 found our cuDNN forward slower than PyTorch's).
 #
 # A device command may run 10 minutes, so the stages of one call share a budget
 # (BUDGET seconds, default 570): each gets what is left, a stage that would start
@@ -106,10 +108,14 @@ for stage in "${stages[@]}"; do
     bench-full)
       run_stage bench-full bash -c "set -o pipefail; python3 benchmarks/run.py --out-dir '$out' --budget-s \$((STAGE_LEFT - 60)) 2>&1 \
         | tee '$out/bench-full-$stamp.log' | tail -60" ;;
+    profile)
+      run_stage profile bash -c "set -o pipefail; {
+        python3 benchmarks/profile_gpu.py --out-dir '$out' &&
+        python3 benchmarks/profile_gpu.py --out-dir '$out' --shape gru,16,50,64,128,1,uni,float32; } 2>&1 | tee '$out/profile-$stamp.log' | tail -60" ;;
     bench-decode)
       run_stage bench-decode bash -c "set -o pipefail; python3 benchmarks/decode.py --out-dir '$out' 2>&1 | tail -40" ;;
     *)
-      echo "unknown stage $stage (build, gpu-checks, gpu-sweep, gpu-tests, demo, suite, bench-quick, bench-full, bench-decode)"
+      echo "unknown stage $stage (build, gpu-checks, gpu-sweep, gpu-tests, demo, suite, bench-quick, bench-full, bench-decode, profile)"
       exit 2 ;;
   esac
 done

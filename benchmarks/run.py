@@ -179,18 +179,25 @@ def _jax_contender(fwd, grad, args, scratch=None):
 # cannot run the shape.
 
 
-def ours(shape: Shape, implementation: str):
+def ours(shape: Shape, implementation: str, time_major: bool = False):
+  """Ours on batch-major input, as the peers take it; or, with `time_major`, on the
+  same input laid out [T, B, I] (on a GPU, cuDNN's sequence-major layout: session 38
+  in benchmarks/NOTES.md)."""
   spec = shape.spec()
   params = spec.init_params(jax.random.key(0))
   x = jax.random.normal(jax.random.key(1), (shape.batch, shape.seq_len, shape.input_size),
                         jnp.dtype(shape.dtype))
+  if time_major:
+    x = jnp.swapaxes(x, 0, 1)
 
   def run(x, p):
-    return spec._run(x, None, None, p, False, time_major=False, implementation=implementation)[0]
+    return spec._run(x, None, None, p, False, time_major=time_major,
+                     implementation=implementation)[0]
 
   scratch = None
-  if implementation == "cudnn":  # one fused call per phase (no dropout), batch-major
-    sizes = _cudnn.query_sizes(_cudnn.Config.of(spec, time_major=False, has_seq_lengths=False),
+  if implementation == "cudnn":  # one fused call per phase (no dropout)
+    sizes = _cudnn.query_sizes(_cudnn.Config.of(spec, time_major=time_major,
+                                                has_seq_lengths=False),
                                spec.dtype, shape.seq_len, shape.batch)
     scratch = {"fwd": sizes["workspace_inference"], "fwd+bwd": sizes["workspace_training"]}
   return _jax_contender(run, jax.grad(lambda x, p: jnp.sum(run(x, p).astype(jnp.float32)),
@@ -291,6 +298,7 @@ def contenders(shape: Shape, gpu: bool, have_torch: bool):
   out = {"ours-xla": lambda: ours(shape, "xla"), "flax-scan": lambda: flax_scan(shape)}
   if gpu:
     out["ours-cudnn"] = lambda: ours(shape, "cudnn")
+    out["ours-cudnn-time-major"] = lambda: ours(shape, "cudnn", time_major=True)
     out["jax.experimental.rnn"] = lambda: jax_experimental(shape)
   if have_torch:
     out["torch"] = lambda: torch_rnn(shape, "cuda" if gpu else "cpu")

@@ -61,7 +61,7 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
     assert re.fullmatch(r"[0-9a-f]{40}", versions["commit"]), versions
     assert isinstance(versions["uncommitted changes"], list), versions
   ours = "ours-cudnn" if as_gpu else "ours-xla"
-  timed = {"ours-xla", "flax-scan"} | ({"ours-cudnn"} if as_gpu else set())
+  timed = {"ours-xla", "flax-scan"} | ({"ours-cudnn", "ours-cudnn-time-major"} if as_gpu else set())
   if has_torch() and not as_gpu:
     timed.add("torch")
   results = {(r["impl"], r["phase"]): r for r in record["results"]}
@@ -217,3 +217,38 @@ def test_a_shape_where_ours_failed_shows_no_other_figure_as_ours():
   assert lines[2] == "| a | 2.00 | 1.00 | 0.50x | 3.00 | 1.50x |"
   assert lines[3] == "| b | — | 1.00 | — | 4.00 | — |"
   assert "Ours = `ours-cudnn`:" in run.markdown(results, "gpu:test")
+
+
+@pytest.mark.parametrize("as_gpu", [False, True], ids=["cpu", "gpu-with-handler-model"])
+def test_profile_script_reports_every_contender(as_gpu, tmp_path, monkeypatch, capsys):
+  # benchmarks/profile_gpu.py is for a lent GPU; here it must run through, so that the
+  # GPU's minutes go to its answers. No CUDA here: it records no kernels.
+  pytest.importorskip("torch")
+  profile = load_benchmark("profile_gpu")
+  if as_gpu:
+    HandlerModel().install(monkeypatch.setattr)
+  assert profile.main(["--shape", "lstm,2,3,4,5,2,bi,float32", "--calls", "2",
+                       "--out-dir", str(tmp_path), "--machine", "m"]) == 0
+  [written] = tmp_path.iterdir()
+  assert re.fullmatch(r"profile-m-lstm-B2-T3-I4-H5-L2-bi-float32-\d{4}-\d\d-\d\d\.md",
+                      written.name)
+  rows, failed = {}, set()
+  for line in written.read_text().splitlines():
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    if len(cells) == 5 and cells[1] in ("fwd", "fwd+bwd"):
+      if cells[2].startswith("failed: "):
+        failed.add(cells[0])
+      else:
+        rows[cells[0], cells[1]] = cells[2:]
+  # In its GPU configuration, the peers that need CUDA cannot run on this CPU:
+  # reported, not fatal.
+  timed = {"ours-xla", "flax-scan"} | (
+      {"ours-cudnn", "ours-cudnn-time-major"} if as_gpu else {"torch"})
+  assert set(rows) == {(i, p) for i in timed for p in ("fwd", "fwd+bwd")}, rows
+  assert failed == ({"jax.experimental.rnn", "torch"} if as_gpu else set())
+  for (impl, phase), (wall, kernel_us, kernels) in rows.items():
+    assert float(wall) > 0 and float(kernel_us) == 0 and float(kernels) == 0, (impl, phase)
+  with pytest.raises(SystemExit):
+    profile.main(["--shape", "lstm,2,3"])
+  assert "--shape: expected mode,batch,seq_len,input_size,hidden,layers,uni|bi,dtype" in (
+      capsys.readouterr().err)
