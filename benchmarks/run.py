@@ -397,7 +397,8 @@ def markdown(results: list[dict], device: str) -> str:
             "| shape | ours | " + " | ".join(peers) + " |", "|---|---:|" + "---:|" * len(peers)]
   for shape in dict.fromkeys(r["shape"] for r in results):
     rows = {r["impl"]: r for r in results if r["shape"] == shape and r["phase"] == "fwd+bwd"}
-    lines.append(f"| {shape} | {mib(rows.get(ours))} | " + " | ".join(mib(rows.get(p)) for p in peers) + " |")
+    lines.append(f"| {shape} | {mib(rows.get(ours))} | "
+                 + " | ".join(mib(rows.get(p)) for p in peers) + " |")
   lines.append("")
   # Compile times: for the contenders compiled ahead of their calls (not PyTorch).
   compiled = [i for i in dict.fromkeys(r["impl"] for r in results)
