@@ -208,8 +208,8 @@ def test_a_shape_where_ours_failed_shows_no_other_figure_as_ours():
   run = load_benchmark("run")
   def result(shape, impl, ms):
     return {"shape": shape, "impl": impl, "phase": "fwd", "median_s": ms / 1e3}
-  results = [result("a", "ours-xla", 1.0), result("a", "ours-cudnn", 2.0), result("a", "torch", 3.0),
-             result("b", "ours-xla", 1.0), result("b", "torch", 4.0)]
+  results = [result("a", "ours-xla", 1.0), result("a", "ours-cudnn", 2.0),
+             result("a", "torch", 3.0), result("b", "ours-xla", 1.0), result("b", "torch", 4.0)]
   assert run.ours_of(results) == "ours-cudnn"
   assert run.ours_of([r for r in results if r["impl"] != "ours-cudnn"]) == "ours-xla"
   lines = run.ratio_table(results, "ours-cudnn", ["ours-xla", "torch"], "median_s", "ms", 1e3, 2)
