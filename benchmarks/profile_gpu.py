@@ -107,12 +107,11 @@ def main(argv=None) -> int:
   parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--machine", default=None, help="name in the output file")
   args = parser.parse_args(argv)
-  try:
-    import torch
-  except ImportError:
+  gpu, have_torch, device_name, _, machine = grid_run.setting(args.machine)
+  if not have_torch:
     print("profile_gpu.py needs PyTorch (its profiler records the kernels)", file=sys.stderr)
     return 2
-  gpu, have_torch, device_name, _, machine = grid_run.setting(args.machine)
+  import torch
   cuda = torch.cuda.is_available()
   results = {}
   for impl, make in grid_run.contenders(args.shape, gpu, have_torch).items():

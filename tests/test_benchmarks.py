@@ -61,7 +61,8 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
     assert re.fullmatch(r"[0-9a-f]{40}", versions["commit"]), versions
     assert isinstance(versions["uncommitted changes"], list), versions
   ours = "ours-cudnn" if as_gpu else "ours-xla"
-  timed = {"ours-xla", "flax-scan"} | ({"ours-cudnn", "ours-cudnn-time-major"} if as_gpu else set())
+  timed = {"ours-xla", "flax-scan"} | (
+      {"ours-cudnn", "ours-cudnn-time-major"} if as_gpu else set())
   if has_torch() and not as_gpu:
     timed.add("torch")
   results = {(r["impl"], r["phase"]): r for r in record["results"]}
