@@ -41,6 +41,7 @@ import ctypes
 import dataclasses
 import functools
 import importlib.util
+import os
 import pathlib
 import sysconfig
 import warnings
@@ -195,9 +196,59 @@ def in_compiled(compiled) -> bool:
 # -- configuration and size queries ---------------------------------------------
 
 
+# -- the algorithm -----------------------------------------------------------------
+#
+# cuDNN's standard algorithm runs each step as separate kernels. Its persistent
+# small-hidden-size algorithm, CUDNN_RNN_ALGO_PERSIST_STATIC_SMALL_H, keeps the
+# recurrent weights in registers and runs the recurrence in one kernel: much
+# faster at small hidden sizes (PyTorch measured up to 10x, pytorch#62143, and
+# picks it by default). Its limits, which PyTorch's heuristic encodes and
+# cuDNN's RNN feature table documents: no float64, no per-sequence lengths,
+# and a largest hidden size per cell and pass. A training forward and its two
+# backward passes share one reserve space, so they share one algorithm: the
+# backward's limit decides for all three. The cuDNN this library loaded keeps
+# the weight layout of both algorithms identical (tests/test_layout_probe.py
+# checks it on a CPU, test_cudnn.py on a GPU), and where cuDNN turns a persistent
+# algorithm down for a configuration the native library falls back to the
+# standard one (`RnnDescriptors::Init`; `query_sizes` reports which ran).
+
+# cudnnRNNAlgo_t values this library asks for.
+ALGORITHMS = {"standard": 0, "persist_static_small_h": 3}
+# How the algorithm is chosen: "auto" (the default) picks the persistent one
+# within its limits; "standard" always takes the standard one.
+ALGORITHM_ENV = "JAX_CUDNN_RNN_ALGORITHM"
+ALGORITHM_POLICIES = ("auto", "standard")
+# The largest hidden size CUDNN_RNN_ALGO_PERSIST_STATIC_SMALL_H runs at, per
+# cell: (forward inference, training: forward and backward).
+SMALL_H_LIMITS = {"lstm": (192, 128), "gru": (192, 128), "rnn_tanh": (384, 256),
+                  "rnn_relu": (384, 256)}
+
+
+def algorithm_policy() -> str:
+  """The policy `JAX_CUDNN_RNN_ALGORITHM` sets, read when a call is traced."""
+  value = os.environ.get(ALGORITHM_ENV, "auto")
+  if value not in ALGORITHM_POLICIES:
+    raise ValueError(f"environment variable {ALGORITHM_ENV} must be one of "
+                     f"{', '.join(ALGORITHM_POLICIES)}; got {value!r}")
+  return value
+
+
+def choose_algorithms(spec, has_seq_lengths: bool) -> tuple[int, int]:
+  """The cudnnRNNAlgo_t of `spec`'s inference call and of its training calls."""
+  standard, small_h = ALGORITHMS["standard"], ALGORITHMS["persist_static_small_h"]
+  if (algorithm_policy() == "standard" or has_seq_lengths
+      or np.dtype(spec.dtype) == np.dtype(np.float64)):
+    return standard, standard
+  return tuple(small_h if spec.num_units <= limit else standard
+               for limit in SMALL_H_LIMITS[spec.rnn_mode])
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Static description of one fused cuDNN call (hashable: a custom_vjp static arg)."""
+  """Static description of one fused cuDNN call (hashable: a custom_vjp static arg).
+
+  `algorithms`: the cudnnRNNAlgo_t of the inference call and of the training
+  calls (`choose_algorithms`); `attrs(training)` sends the one a call runs."""
 
   rnn_mode: str
   num_layers: int
@@ -208,21 +259,23 @@ class Config:
   batch_major: bool
   allow_tf32: bool
   has_seq_lengths: bool
+  algorithms: tuple[int, int] = (ALGORITHMS["standard"],) * 2
 
-  def attrs(self) -> dict:
+  def attrs(self, training: bool = False) -> dict:
     return dict(cell_mode=np.int64(CELL_MODES[self.rnn_mode]),
                 num_layers=np.int64(self.num_layers), hidden_size=np.int64(self.hidden_size),
                 input_size=np.int64(self.input_size), bidirectional=np.bool_(self.bidirectional),
                 skip_input=np.bool_(self.skip_input), batch_major=np.bool_(self.batch_major),
                 allow_tf32=np.bool_(self.allow_tf32),
-                has_seq_lengths=np.bool_(self.has_seq_lengths))
+                has_seq_lengths=np.bool_(self.has_seq_lengths),
+                algo=np.int64(self.algorithms[int(training)]))
 
   @classmethod
   def of(cls, spec, time_major: bool, has_seq_lengths: bool) -> "Config":
     """The configuration that runs all of `spec`'s layers in one call."""
     return cls(spec.rnn_mode, spec.num_layers, spec.num_units, spec.input_size,
                spec.num_dirs == 2, spec.input_mode == "skip_input", not time_major,
-               _allow_tf32(), has_seq_lengths)
+               _allow_tf32(), has_seq_lengths, choose_algorithms(spec, has_seq_lengths))
 
   @property
   def num_states(self) -> int:
@@ -251,9 +304,26 @@ def _error_buffer():
 
 @functools.lru_cache(maxsize=1024)
 def query_sizes(cfg: Config, dtype: np.dtype, steps: int, batch: int) -> dict:
-  """cuDNN's weight-space, workspace and reserve-space sizes in bytes."""
+  """cuDNN's weight-space, workspace and reserve-space sizes in bytes: the
+  inference workspace under `cfg`'s inference algorithm, the rest under its
+  training algorithm; and `algorithms`, the two that cuDNN runs (`cfg`'s, or
+  the standard one where cuDNN turned a persistent one down)."""
+  inference = _query(cfg, dtype, steps, batch, cfg.algorithms[0])
+  training = (inference if cfg.algorithms[1] == cfg.algorithms[0]
+              else _query(cfg, dtype, steps, batch, cfg.algorithms[1]))
+  if inference[0] != training[0]:
+    raise ValueError(f"cuDNN's weight space for {cfg} has {inference[0]} bytes under "
+                     f"algorithm {cfg.algorithms[0]} but {training[0]} under "
+                     f"{cfg.algorithms[1]}; set {ALGORITHM_ENV}=standard")
+  return dict(weight_space=training[0], workspace_inference=inference[1],
+              workspace_training=training[2], reserve_space=training[3],
+              algorithms=(int(inference[4]), int(training[4])))
+
+
+def _query(cfg: Config, dtype: np.dtype, steps: int, batch: int, algo: int) -> tuple:
+  """`JcrRnnQuerySizes`: weight space, workspaces, reserve space, algorithm run."""
   lib = _registered_library()
-  out = (ctypes.c_uint64 * 4)()
+  out = (ctypes.c_uint64 * 5)()
   err = _error_buffer()
   status = lib.JcrRnnQuerySizes(
       ctypes.c_int64(CELL_MODES[cfg.rnn_mode]), ctypes.c_int64(cfg.num_layers),
@@ -261,13 +331,12 @@ def query_sizes(cfg: Config, dtype: np.dtype, steps: int, batch: int) -> dict:
       ctypes.c_int32(cfg.bidirectional), ctypes.c_int32(cfg.skip_input),
       ctypes.c_int32(cfg.batch_major), ctypes.c_int32(cfg.allow_tf32),
       ctypes.c_int32(CUDNN_DATA_TYPES[np.dtype(dtype)]), ctypes.c_int64(steps),
-      ctypes.c_int64(batch), out, err, ctypes.c_size_t(len(err)))
+      ctypes.c_int64(batch), ctypes.c_int64(algo), out, err, ctypes.c_size_t(len(err)))
   if status != 0:
     raise ValueError(f"cuDNN rejected the RNN configuration {cfg} with dtype "
                      f"{np.dtype(dtype).name}, {steps} steps, batch {batch}: "
                      f"{err.value.decode(errors='replace')}")
-  return dict(weight_space=out[0], workspace_inference=out[1], workspace_training=out[2],
-              reserve_space=out[3])
+  return tuple(out)
 
 
 def _query_dims(steps, batch) -> tuple[int, int]:
@@ -300,8 +369,9 @@ def supports(spec, steps: int, batch: int, time_major: bool) -> tuple[bool, str]
   return True, ""
 
 
-def weight_layout(spec) -> np.ndarray:
-  """`[pseudo_layers, 2g, 5]` int64 rows from `cudnnGetRNNWeightParams`.
+def weight_layout(spec, algo: int = ALGORITHMS["standard"]) -> np.ndarray:
+  """`[pseudo_layers, 2g, 5]` int64 rows from `cudnnGetRNNWeightParams`, with
+  the RNN descriptor set to the algorithm `algo` (a cudnnRNNAlgo_t).
 
   Each row is `(matrix offset, rows, cols, bias offset, bias length)` in
   elements; a matrix cuDNN does not have (skip_input) has offset -1.
@@ -314,8 +384,9 @@ def weight_layout(spec) -> np.ndarray:
       ctypes.c_int64(CELL_MODES[spec.rnn_mode]), ctypes.c_int64(spec.num_layers),
       ctypes.c_int64(spec.num_units), ctypes.c_int64(spec.input_size),
       ctypes.c_int32(spec.num_dirs == 2), ctypes.c_int32(spec.input_mode == "skip_input"),
-      ctypes.c_int32(CUDNN_DATA_TYPES[spec.dtype]), ctypes.c_int64(spec.dtype.itemsize), out,
-      ctypes.c_int64(rows * 5), err, ctypes.c_size_t(len(err)))
+      ctypes.c_int32(CUDNN_DATA_TYPES[spec.dtype]), ctypes.c_int64(algo),
+      ctypes.c_int64(spec.dtype.itemsize), out, ctypes.c_int64(rows * 5), err,
+      ctypes.c_size_t(len(err)))
   if status != 0:
     raise RuntimeError(f"cudnnGetRNNWeightParams failed for {spec}: "
                        f"{err.value.decode(errors='replace')}")
@@ -365,7 +436,7 @@ def _forward(cfg: Config, x, h0, c0, params, lengths, training: bool):
     reserve = jax.ShapeDtypeStruct((_steps_batch(cfg, x)[1], row_bytes), jnp.uint8)
     call = jax.ffi.ffi_call("jcr_rnn_forward_training", (*_shapes(cfg, x, h0, c0), reserve),
                             vmap_method="sequential")
-    return tuple(call(x, h0, c0, params, lengths, **cfg.attrs()))
+    return tuple(call(x, h0, c0, params, lengths, **cfg.attrs(training=True)))
 
   return _partition.over_batch(train, (x, h0, c0, params, lengths), _batch_axes(cfg, "xhcwn"),
                                _batch_axes(cfg, "xhcn"))
@@ -440,13 +511,14 @@ def _fused_bwd(cfg, residuals, cotangents):
             jax.ShapeDtypeStruct(reserve.shape, reserve.dtype))
     call = jax.ffi.ffi_call("jcr_rnn_backward_data", outs, vmap_method="sequential",
                             input_output_aliases={8: 3})
-    return tuple(call(y, dy, h0, dh, c0, dc, params, lengths, reserve, **cfg.attrs()))
+    return tuple(call(y, dy, h0, dh, c0, dc, params, lengths, reserve,
+                      **cfg.attrs(training=True)))
 
   def backward_weights(x, h0, y, lengths, reserve):
     call = jax.ffi.ffi_call("jcr_rnn_backward_weights",
                             jax.ShapeDtypeStruct(params.shape, params.dtype),
                             vmap_method="sequential")
-    return (call(x, h0, y, lengths, reserve, **cfg.attrs()),)
+    return (call(x, h0, y, lengths, reserve, **cfg.attrs(training=True)),)
 
   dx, dh0, dc0, reserve = _partition.over_batch(
       backward_data, (y, dy, h0, dh, c0, dc, params, lengths, reserve),

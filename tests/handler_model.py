@@ -46,13 +46,14 @@ ALIASES = {"jcr_rnn_backward_data": {8: 3}}
 def config_of(attrs: dict) -> _cudnn.Config:
   modes = {v: k for k, v in _cudnn.CELL_MODES.items()}
   fields = {f.name for f in dataclasses.fields(_cudnn.Config)}
-  assert set(attrs) == fields - {"rnn_mode"} | {"cell_mode"}, attrs
+  assert set(attrs) == fields - {"rnn_mode", "algorithms"} | {"cell_mode", "algo"}, attrs
   assert all(isinstance(v, (np.int64, np.bool_)) for v in attrs.values()), attrs
+  assert int(attrs["algo"]) in _cudnn.ALGORITHMS.values(), attrs
   return _cudnn.Config(modes[int(attrs["cell_mode"])], int(attrs["num_layers"]),
                        int(attrs["hidden_size"]), int(attrs["input_size"]),
                        bool(attrs["bidirectional"]), bool(attrs["skip_input"]),
                        bool(attrs["batch_major"]), bool(attrs["allow_tf32"]),
-                       bool(attrs["has_seq_lengths"]))
+                       bool(attrs["has_seq_lengths"]), (int(attrs["algo"]),) * 2)
 
 
 def spec_of(cfg: _cudnn.Config, dtype):
@@ -104,6 +105,7 @@ class HandlerModel:
   def __init__(self):
     self.calls = collections.Counter()
     self.x_shapes = []  # the first operand's shape, per traced call
+    self.algorithms = collections.defaultdict(set)  # target -> the `algo` attributes it got
 
   def query_sizes(self, cfg, dtype, steps, batch):
     # The native query takes C integers: a symbolic dimension must not reach it.
@@ -113,7 +115,7 @@ class HandlerModel:
     x_shape = (batch, steps, cfg.input_size) if cfg.batch_major else (steps, batch, cfg.input_size)
     return dict(weight_space=_layout.params_size(spec) * np.dtype(dtype).itemsize,
                 workspace_inference=0, workspace_training=0,
-                reserve_space=_reserve_size(cfg, dtype, x_shape))
+                reserve_space=_reserve_size(cfg, dtype, x_shape), algorithms=cfg.algorithms)
 
   def install(self, set_attribute, *, handlers=True):
     """Stands the model in for cuDNN: `_cudnn` reports it available, with the
@@ -130,9 +132,11 @@ class HandlerModel:
     return self
 
   @staticmethod
-  def weight_layout(spec):
+  def weight_layout(spec, algo=_cudnn.ALGORITHMS["standard"]):
     """`_cudnn.weight_layout`'s rows for the model: the analytic layout, with
-    no input matrices for layer 0 under skip_input (offset -1, size 0)."""
+    no input matrices for layer 0 under skip_input (offset -1, size 0), under
+    either algorithm."""
+    assert algo in _cudnn.ALGORITHMS.values(), algo
     weights, biases = _layout.tensors(spec)
     rows = np.zeros((spec.num_layers * spec.num_dirs, 2 * spec.num_gates, 5), np.int64)
     rows[..., 0] = rows[..., 3] = -1
@@ -151,6 +155,7 @@ class HandlerModel:
     def call(*operands, **attrs):
       self.calls[target] += 1
       self.x_shapes.append(operands[0].shape)
+      self.algorithms[target].add(int(attrs["algo"]))
       results = run(config_of(attrs), *operands)
       declared = (result_shape_dtypes if isinstance(result_shape_dtypes, (tuple, list))
                   else (result_shape_dtypes,))

@@ -5,7 +5,7 @@ given crashes this process, never the test run.
     python tests/layout_probe.py LIBRARY < queries.json > answers.json
 
 Each query is the probe's integer arguments, `[cell_mode, num_layers,
-hidden_size, input_size, bidirectional, skip_input, allow_tf32, data_type,
+hidden_size, input_size, bidirectional, skip_input, allow_tf32, data_type, algo,
 element_size, layout_length]`; each answer is `{"weight_space": bytes,
 "layout": [layout_length ints]}` or `{"error": message}`.
 """
@@ -19,7 +19,7 @@ from jax_cudnn_rnn import _cudnn
 
 def _answer(lib, query):
   *args, layout_length = query
-  types = [ctypes.c_int64] * 4 + [ctypes.c_int32] * 4 + [ctypes.c_int64]
+  types = [ctypes.c_int64] * 4 + [ctypes.c_int32] * 4 + [ctypes.c_int64] * 2
   layout = (ctypes.c_int64 * layout_length)()
   weight_space = ctypes.c_uint64()
   error = ctypes.create_string_buffer(1024)

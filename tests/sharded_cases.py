@@ -299,7 +299,7 @@ def test_native_handler_receives_its_devices_rows():
   cell = jnp.zeros((0,), jnp.float32)
 
   def check(x, h0, c0, params, lengths):
-    call = jax.ffi.ffi_call("jcr_rnn_check_inputs", jax.ShapeDtypeStruct((12,), jnp.int64))
+    call = jax.ffi.ffi_call("jcr_rnn_check_inputs", jax.ShapeDtypeStruct((13,), jnp.int64))
     # One report per device, each the same (2 rows apiece): a result with no
     # batch dimension, as `over_batch` requires.
     return (call(x, h0, c0, params, lengths, **cfg.attrs()),)
@@ -307,9 +307,10 @@ def test_native_handler_receives_its_devices_rows():
   run = jax.jit(lambda *operands: _partition.over_batch(
       check, operands, _cudnn._batch_axes(cfg, "xhcwn"), (None,))[0])
   report = np.asarray(run(x, h, cell, params, lengths)).tolist()
-  steps, batch = report[9], report[10]
+  steps, batch = report[10], report[11]
   assert (steps, batch) == (T, B // DEVICES), report
-  assert report[:9] == [3, 2, 6, 4, 1, 0, 0, int(cfg.allow_tf32), 1], report
+  # With sequence lengths, the standard algorithm (algo 0).
+  assert report[:10] == [3, 2, 6, 4, 1, 0, 0, int(cfg.allow_tf32), 1, 0], report
 
 
 @pytest.mark.parametrize("mode", ["explicit", "auto"])

@@ -135,11 +135,60 @@ def test_dropout_matches_reference(cls):
 @pytest.mark.parametrize("mode", ["linear_input", "skip_input"])
 def test_analytic_layout_equals_cudnn(cls, direction, mode):
   spec = cls(3, 6, 6 if mode == "skip_input" else 4, input_mode=mode, direction=direction)
-  assert_layout_is_analytic(spec, _cudnn.weight_layout(spec))
+  for algo in _cudnn.ALGORITHMS.values():  # one layout, whichever algorithm runs
+    assert_layout_is_analytic(spec, _cudnn.weight_layout(spec, algo))
   assert _cudnn.cudnn_order(spec) is None  # the buffer goes to cuDNN without a gather
   assert 4 * spec.params_size() == _cudnn.query_sizes(
       _cudnn.Config(spec.rnn_mode, 3, 6, spec.input_size, direction == "bidirectional",
                     mode == "skip_input", False, False, False), spec.dtype, 1, 1)["weight_space"]
+
+
+def _check_inference(spec, T, B, time_major=True):
+  params = spec.init_params(jax.random.key(1))
+  x, h, c = random_inputs(spec, T, B, seed=3)
+  x = jnp.asarray(x if time_major else np.swapaxes(x, 0, 1))
+  h, c = jnp.asarray(h), None if c is None else jnp.asarray(c)
+  with jax.default_matmul_precision("highest"):
+    got, want = (call(spec, x, h, c, params, is_training=False, time_major=time_major,
+                      implementation=impl) for impl in ("cudnn", "xla"))
+  for name, a, b in zip(("y", "h", "c"), got, want):
+    if b is not None:
+      assert _rel_err(a, b) < TOLERANCE[spec.dtype.type], (name, _rel_err(a, b))
+
+
+@pytest.mark.parametrize("policy", _cudnn.ALGORITHM_POLICIES)
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("time_major", [True, False])
+def test_both_algorithms_match_the_reference(monkeypatch, policy, cls, time_major):
+  """cuDNN's persistent small-h algorithm (what "auto" picks at this size, for
+  inference and training) and its standard one: values and gradients against
+  the reference in both layouts, and cuDNN runs the algorithm asked for (the
+  native library would fall back to the standard one where cuDNN refused)."""
+  monkeypatch.setenv(_cudnn.ALGORITHM_ENV, policy)
+  spec = cls(2, 16, 8, direction="bidirectional", dtype=jnp.float32)
+  T, B = 9, 5
+  _check_against_reference(spec, T=T, B=B, time_major=time_major)
+  _check_inference(spec, T, B, time_major)
+  with jax.default_matmul_precision("highest"):
+    cfg = _cudnn.Config.of(spec, time_major, has_seq_lengths=False)
+  ran = _cudnn.query_sizes(cfg, spec.dtype, T, B)["algorithms"]
+  assert ran == ((3, 3) if policy == "auto" else (0, 0)), ran
+
+
+@pytest.mark.parametrize("cls,hidden", [(jcr.CudnnLSTM, 128), (jcr.CudnnLSTM, 192),
+                                        (jcr.CudnnGRU, 160), (jcr.CudnnRNNTanh, 256),
+                                        (jcr.CudnnRNNRelu, 384)])
+def test_persistent_algorithm_at_its_hidden_size_limits(cls, hidden):
+  """At the largest hidden sizes "auto" gives cuDNN's persistent small-h
+  algorithm (inference, training, or both), cuDNN runs it and it matches the
+  reference."""
+  spec = cls(1, hidden, 24, dtype=jnp.float32)
+  _check_against_reference(spec, T=5, B=4)
+  _check_inference(spec, 5, 4)
+  with jax.default_matmul_precision("highest"):
+    cfg = _cudnn.Config.of(spec, True, has_seq_lengths=False)
+  assert 3 in cfg.algorithms, cfg
+  assert _cudnn.query_sizes(cfg, spec.dtype, 5, 4)["algorithms"] == cfg.algorithms
 
 
 @needs_device

@@ -128,6 +128,32 @@ def test_inference_uses_the_inference_call(handlers):
   assert handlers.calls == {"jcr_rnn_forward_inference": 1}
 
 
+@pytest.mark.parametrize("hidden,lengths,policy,inference,training", [
+    (8, False, "auto", 3, 3), (160, False, "auto", 3, 0), (8, True, "auto", 0, 0),
+    (8, False, "standard", 0, 0)])
+def test_each_call_gets_its_pass_algorithm(handlers, monkeypatch, hidden, lengths, policy,
+                                           inference, training):
+  """The inference call carries the inference algorithm, the training calls
+  (forward and both backward passes, which share one reserve space) the
+  training one: cuDNN's persistent small-h algorithm (3) where its limits allow
+  (LSTM: hidden <= 192 inference, <= 128 training; full-length sequences), else
+  the standard one (0), which `JAX_CUDNN_RNN_ALGORITHM=standard` asks for."""
+  monkeypatch.setenv(_cudnn.ALGORITHM_ENV, policy)
+  spec = jcr.CudnnLSTM(1, hidden, 3)
+  x, h, c, params = _inputs(spec, 3, 2, True)
+  options = dict(seq_lengths=jnp.array([3, 2], jnp.int32)) if lengths else {}
+  run = lambda p, training, impl: spec(x, h, c, p, is_training=training, implementation=impl,
+                                       **options)[0]
+  np.testing.assert_allclose(jax.jit(run, static_argnums=(1, 2))(params, False, "cudnn"),
+                             run(params, False, "xla"), rtol=1e-5, atol=1e-6)
+  loss = lambda p, impl: jnp.sum(jnp.sin(run(p, True, impl)))
+  np.testing.assert_allclose(jax.jit(jax.grad(loss), static_argnums=1)(params, "cudnn"),
+                             jax.grad(loss)(params, "xla"), rtol=1e-4, atol=1e-5)
+  assert handlers.algorithms == {
+      "jcr_rnn_forward_inference": {inference}, "jcr_rnn_forward_training": {training},
+      "jcr_rnn_backward_data": {training}, "jcr_rnn_backward_weights": {training}}
+
+
 def test_vmap_of_gradients(handlers):
   spec = jcr.CudnnGRU(1, 4, 3, dtype=jnp.float64)
   x, h, _, params = _inputs(spec, 5, 2, True)

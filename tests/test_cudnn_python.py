@@ -36,6 +36,38 @@ def test_config_attributes_have_exact_ffi_types():
   assert cfg.num_states == 4
 
 
+@pytest.mark.parametrize("cls,limits", [
+    (jcr.CudnnLSTM, (192, 128)), (jcr.CudnnGRU, (192, 128)), (jcr.CudnnRNNTanh, (384, 256)),
+    (jcr.CudnnRNNRelu, (384, 256))])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_persistent_algorithm_within_cudnn_limits(cls, limits, dtype):
+  """`(inference, training)` algorithms at each side of the hidden-size limits
+  of cuDNN's persistent small-h algorithm (3; else the standard one, 0)."""
+  infer, train = limits
+  for hidden, want in [(1, (3, 3)), (train, (3, 3)), (train + 1, (3, 0)), (infer, (3, 0)),
+                       (infer + 1, (0, 0))]:
+    spec = cls(2, hidden, 5, direction="bidirectional", dtype=dtype)
+    assert _cudnn.choose_algorithms(spec, has_seq_lengths=False) == want, (hidden, want)
+    assert _cudnn.choose_algorithms(spec, has_seq_lengths=True) == (0, 0), hidden
+    cfg = _cudnn.Config.of(spec, True, False)
+    assert (cfg.attrs()["algo"], cfg.attrs(training=True)["algo"]) == want
+    assert cfg.attrs()["algo"].dtype == np.int64
+
+
+def test_standard_algorithm_for_float64_and_on_request(monkeypatch):
+  assert _cudnn.choose_algorithms(jcr.CudnnGRU(1, 4, 3, dtype=jnp.float64), False) == (0, 0)
+  spec = jcr.CudnnGRU(1, 4, 3)
+  assert _cudnn.choose_algorithms(spec, False) == (3, 3)
+  monkeypatch.setenv(_cudnn.ALGORITHM_ENV, "standard")
+  assert _cudnn.choose_algorithms(spec, False) == (0, 0)
+  monkeypatch.setenv(_cudnn.ALGORITHM_ENV, "auto")
+  assert _cudnn.choose_algorithms(spec, False) == (3, 3)
+  monkeypatch.setenv(_cudnn.ALGORITHM_ENV, "fast")
+  with pytest.raises(ValueError, match="JAX_CUDNN_RNN_ALGORITHM must be one of auto, "
+                                       "standard; got 'fast'"):
+    _cudnn.Config.of(spec, True, False)
+
+
 def test_availability_explains_itself():
   available, why = _cudnn.availability()
   assert available or why

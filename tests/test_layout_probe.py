@@ -30,6 +30,7 @@ DTYPES = (jnp.float32, jnp.float64, jnp.float16, jnp.bfloat16)
 SIZES = ((1, 1, 1), (3, 6, 4), (2, 5, 3), (3, 7, 1), (2, 33, 17), (4, 1, 9), (2, 256, 128),
          (1, 1023, 1))
 CUDNN_DATA_INT8 = 3  # cudnnDataType_t: a type cuDNN's RNNs do not take
+STANDARD, SMALL_H = (_cudnn.ALGORITHMS[a] for a in ("standard", "persist_static_small_h"))
 
 
 def _library():
@@ -40,10 +41,10 @@ def _library():
   return path
 
 
-def _query(spec, allow_tf32=False, data_type=None):
+def _query(spec, allow_tf32=False, data_type=None, algo=STANDARD):
   return [_cudnn.CELL_MODES[spec.rnn_mode], spec.num_layers, spec.num_units, spec.input_size,
           int(spec.num_dirs == 2), int(spec.input_mode == "skip_input"), int(allow_tf32),
-          _cudnn.CUDNN_DATA_TYPES[spec.dtype] if data_type is None else data_type,
+          _cudnn.CUDNN_DATA_TYPES[spec.dtype] if data_type is None else data_type, algo,
           spec.dtype.itemsize, spec.num_layers * spec.num_dirs * 2 * spec.num_gates * 5]
 
 
@@ -60,40 +61,51 @@ def _probe(queries):
 
 
 def _cases(cls, dtype):
-  """(spec, allow_tf32) for every size, direction and input mode; float32 with and without
-  TF32."""
+  """(spec, allow_tf32, algo) for every size, direction and input mode; float32 with and
+  without TF32; the standard algorithm and, but for float64 (which cuDNN runs with the
+  standard one only), the persistent small-h one that `_cudnn` picks at small sizes."""
   for (layers, units, inputs), direction, mode in itertools.product(
       SIZES, ("unidirectional", "bidirectional"), ("linear_input", "skip_input")):
     spec = cls(layers, units, units if mode == "skip_input" else inputs, input_mode=mode,
                direction=direction, dtype=dtype)
     for tf32 in ((False, True) if dtype == jnp.float32 else (False,)):
-      yield spec, tf32
+      for algo in ((STANDARD,) if dtype == jnp.float64 else (STANDARD, SMALL_H)):
+        yield spec, tf32, algo
 
 
 @pytest.fixture(scope="module")
 def sweep():
-  """`{(cls, dtype): [(spec, allow_tf32, answer), ...]}`, from one child process."""
+  """`{(cls, dtype): [(spec, allow_tf32, algo, answer), ...]}`, from one child process."""
   cases = {(cls, dtype): list(_cases(cls, dtype)) for cls in SPEC_CLASSES for dtype in DTYPES}
   flat = [case for group in cases.values() for case in group]
-  answers = iter(_probe([_query(spec, tf32) for spec, tf32 in flat]))
-  return {key: [(spec, tf32, next(answers)) for spec, tf32 in group]
-          for key, group in cases.items()}
+  answers = iter(_probe([_query(spec, tf32, algo=algo) for spec, tf32, algo in flat]))
+  return {key: [(*case, next(answers)) for case in group] for key, group in cases.items()}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("cls", SPEC_CLASSES, ids=lambda c: c.__name__)
 def test_cudnn_layout_is_the_analytic_one(sweep, cls, dtype):
-  """For every size, direction and input mode (and float32 with and without
-  TF32): cuDNN accepts the descriptor the handlers set, its weight space is the
-  opaque buffer's size, and it places every matrix and bias where `_layout`
-  does, so `_cudnn` hands the buffer over without a gather."""
-  for spec, tf32, answer in sweep[cls, dtype]:
-    assert "error" not in answer, (spec, tf32, answer)
+  """For every size, direction and input mode (float32 with and without TF32,
+  both algorithms `_cudnn` asks for): cuDNN accepts the descriptor the handlers
+  set, its weight space is the opaque buffer's size, and it places every matrix
+  and bias where `_layout` does, so `_cudnn` hands the buffer over without a
+  gather, whichever algorithm runs."""
+  for spec, tf32, algo, answer in sweep[cls, dtype]:
+    assert "error" not in answer, (spec, tf32, algo, answer)
     assert answer["weight_space"] == spec.params_size() * spec.dtype.itemsize, (spec, answer)
     rows = np.array(answer["layout"], np.int64).reshape(spec.num_layers * spec.num_dirs,
                                                          2 * spec.num_gates, 5)
     assert_layout_is_analytic(spec, rows)
     assert _cudnn.order_from_layout(spec, rows) is None, spec
+
+
+def test_persistent_algorithm_refused_for_float64():
+  """Why the native library falls back to the standard algorithm, and
+  `_cudnn.choose_algorithms` never asks for the persistent one in float64:
+  cuDNN refuses that descriptor."""
+  (answer,) = _probe([_query(jcr.CudnnLSTM(1, 8, 4, dtype=jnp.float64), algo=SMALL_H)])
+  assert "cudnnSetRNNDescriptor_v8" in answer.get("error", ""), answer
+  assert "CUDNN_STATUS_NOT_SUPPORTED" in answer["error"], answer
 
 
 def test_skip_input_keeps_layer_zero_biases():

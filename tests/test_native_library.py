@@ -62,8 +62,8 @@ def test_register_ffi_targets_registers_the_built_library(monkeypatch):
 
 CHECK_TARGET = "jcr_rnn_check_inputs"
 REPORT_FIELDS = ("cell_mode", "num_layers", "hidden_size", "input_size", "bidirectional",
-                 "skip_input", "batch_major", "allow_tf32", "has_seq_lengths", "steps", "batch",
-                 "cudnn_type")
+                 "skip_input", "batch_major", "allow_tf32", "has_seq_lengths", "algo", "steps",
+                 "batch", "cudnn_type")
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +73,12 @@ def check_inputs():
 
   cpu = jax.devices("cpu")[0]  # also on a GPU machine, where the default device is the GPU
 
-  def run(cfg, x, h0, c0, params, lengths):
+  def run(cfg, x, h0, c0, params, lengths, training=False):
     cell = c0 if c0 is not None else jnp.zeros((0,), x.dtype)
     operands = jax.device_put((x, h0, cell, params, lengths), cpu)
     call = jax.ffi.ffi_call(CHECK_TARGET, jax.ShapeDtypeStruct((len(REPORT_FIELDS),), jnp.int64))
     with jax.enable_x64(), jax.default_device(cpu):
-      report = call(*operands, **cfg.attrs())
+      report = call(*operands, **cfg.attrs(training))
     return dict(zip(REPORT_FIELDS, np.asarray(report).tolist()))
 
   return run
@@ -104,20 +104,24 @@ def _operands(spec, T, B, time_major):
     (jcr.CudnnRNNRelu, "unidirectional", "skip_input", False, False),
 ])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("training", [False, True])
 def test_handlers_decode_what_python_sends(check_inputs, cls, direction, input_mode, time_major,
-                                           has_lengths, dtype):
+                                           has_lengths, dtype, training):
   spec = cls(3, 6, 6 if input_mode == "skip_input" else 4, input_mode=input_mode,
              direction=direction, dtype=dtype)
   T, B = 5, 2
   cfg = _cudnn.Config.of(spec, time_major, has_lengths)
   lengths = jnp.array([5, 2], jnp.int32)
-  report = check_inputs(cfg, *_operands(spec, T, B, time_major), lengths)
+  report = check_inputs(cfg, *_operands(spec, T, B, time_major), lengths, training)
+  # Hidden size 6 is within every cell's limit for the persistent algorithm,
+  # which needs full-length sequences and a type other than float64.
+  persistent = not has_lengths and np.dtype(dtype) != np.float64
   assert report == dict(
       cell_mode={"lstm": 2, "gru": 3, "rnn_tanh": 1, "rnn_relu": 0}[spec.rnn_mode],  # cudnnRNNMode_t
       num_layers=3, hidden_size=6, input_size=spec.input_size,
       bidirectional=int(direction == "bidirectional"), skip_input=int(input_mode == "skip_input"),
       batch_major=int(not time_major), allow_tf32=int(cfg.allow_tf32),
-      has_seq_lengths=int(has_lengths), steps=T, batch=B,
+      has_seq_lengths=int(has_lengths), algo=3 if persistent else 0, steps=T, batch=B,
       # The handler's type (from the buffer) is the one the size query sends from Python.
       cudnn_type=_cudnn.CUDNN_DATA_TYPES[np.dtype(dtype)])
 
@@ -130,6 +134,26 @@ def test_allow_tf32_follows_jax_matmul_precision(check_inputs):
     assert check_inputs(_cudnn.Config.of(spec, True, False), *operands, lengths)["allow_tf32"] == 0
   with jax.default_matmul_precision("tensorfloat32"):
     assert check_inputs(_cudnn.Config.of(spec, True, False), *operands, lengths)["allow_tf32"] == 1
+
+
+@pytest.mark.parametrize("cls,hidden,inference,training", [
+    (jcr.CudnnLSTM, 128, 3, 3), (jcr.CudnnLSTM, 160, 3, 0), (jcr.CudnnGRU, 192, 3, 0),
+    (jcr.CudnnGRU, 193, 0, 0), (jcr.CudnnRNNTanh, 256, 3, 3), (jcr.CudnnRNNRelu, 300, 3, 0),
+    (jcr.CudnnRNNRelu, 385, 0, 0)])
+def test_handlers_get_each_pass_algorithm(check_inputs, cls, hidden, inference, training,
+                                          monkeypatch):
+  """The inference call carries the inference algorithm and the training calls
+  theirs (0 standard, 3 persistent small-h), by cuDNN's limits on the hidden
+  size; and "standard" in the environment takes the standard one everywhere."""
+  spec = cls(1, hidden, 8)
+  operands = _operands(spec, 2, 1, True)
+  lengths = jnp.array([2], jnp.int32)
+  cfg = _cudnn.Config.of(spec, True, False)
+  assert [check_inputs(cfg, *operands, lengths, t)["algo"] for t in (False, True)] == [
+      inference, training]
+  monkeypatch.setenv(_cudnn.ALGORITHM_ENV, "standard")
+  cfg = _cudnn.Config.of(spec, True, False)
+  assert [check_inputs(cfg, *operands, lengths, t)["algo"] for t in (False, True)] == [0, 0]
 
 
 def _bad_inputs():
@@ -152,6 +176,7 @@ def _bad_inputs():
       ("hidden size 0", gru, dict(cfg=dict(hidden_size=0)), "hidden_size=0"),
       ("cell mode", gru, dict(cfg=dict(rnn_mode="bogus")), "cell_mode=7"),
       ("skip_input sizes", lstm, dict(cfg=dict(skip_input=True)), "skip_input needs input_size == hidden_size, got input_size=4, hidden_size=6"),
+      ("algorithm", gru, dict(cfg=dict(algorithms=(1, 1))), "algo must be 0 (standard) or 3 (persist_static_small_h), got 1"),
   ]
 
 

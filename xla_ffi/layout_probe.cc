@@ -80,11 +80,11 @@ extern "C" {
 // ID), see ReadWeightLayout. Returns 0, or 1 with a message in `error`.
 int JcrProbeWeightLayout(int64_t cell_mode, int64_t num_layers, int64_t hidden_size,
                          int64_t input_size, int32_t bidirectional, int32_t skip_input,
-                         int32_t allow_tf32, int32_t data_type, int64_t element_size,
-                         uint64_t* weight_space_out, int64_t* layout_out, int64_t capacity,
-                         char* error, size_t error_size) {
+                         int32_t allow_tf32, int32_t data_type, int64_t algo,
+                         int64_t element_size, uint64_t* weight_space_out, int64_t* layout_out,
+                         int64_t capacity, char* error, size_t error_size) {
   jcr::RnnKey key = jcr::WeightLayoutKey(cell_mode, num_layers, hidden_size, input_size,
-                                         bidirectional, skip_input, allow_tf32, data_type);
+                                         bidirectional, skip_input, allow_tf32, data_type, algo);
   return jcr::ReportToC(jcr::Probe(key, element_size, weight_space_out, layout_out, capacity),
                         error, error_size);
 }

@@ -23,6 +23,7 @@ struct RnnAttrs {
   bool batch_major;     // x and y are [B, T, F] instead of [T, B, F]
   bool allow_tf32;      // float32 only: may cuDNN use TF32 tensor cores
   bool has_seq_lengths; // false: every sequence has T steps, no host sync
+  int64_t algo;         // cudnnRNNAlgo_t asked for: 0 standard, 3 persist_static_small_h
 };
 
 // Output feature size: hidden_size times the number of directions.
@@ -41,6 +42,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<bool>("skip_input"),
     ::xla::ffi::StructMember<bool>("batch_major"),
     ::xla::ffi::StructMember<bool>("allow_tf32"),
-    ::xla::ffi::StructMember<bool>("has_seq_lengths"));
+    ::xla::ffi::StructMember<bool>("has_seq_lengths"),
+    ::xla::ffi::StructMember<int64_t>("algo"));
 
 #endif  // JAX_CUDNN_RNN_RNN_ATTRS_H_

@@ -18,7 +18,7 @@ auto KeyTuple(const RnnKey& k) {
   const RnnAttrs& a = k.attrs;
   return std::make_tuple(a.cell_mode, a.num_layers, a.hidden_size, a.input_size, a.bidirectional,
                          a.skip_input, a.batch_major, a.allow_tf32, static_cast<int>(k.data_type),
-                         k.max_seq_length, k.batch_size);
+                         k.max_seq_length, k.batch_size, a.algo);
 }
 
 // Compute precision and tensor-core policy for a data type.
@@ -47,10 +47,10 @@ void MathFor(const RnnKey& key, cudnnDataType_t* math_prec, cudnnMathType_t* mat
 RnnKey MakeKey(int64_t cell_mode, int64_t num_layers, int64_t hidden_size, int64_t input_size,
                int32_t bidirectional, int32_t skip_input, int32_t batch_major,
                int32_t allow_tf32, int32_t data_type, int64_t max_seq_length,
-               int64_t batch_size) {
+               int64_t batch_size, int64_t algo) {
   RnnAttrs attrs{cell_mode,         num_layers,          hidden_size,        input_size,
                  bidirectional != 0, skip_input != 0,    batch_major != 0,   allow_tf32 != 0,
-                 /*has_seq_lengths=*/false};
+                 /*has_seq_lengths=*/false, algo};
   return RnnKey{attrs, static_cast<cudnnDataType_t>(data_type), max_seq_length, batch_size};
 }
 
@@ -96,7 +96,7 @@ Error SetRnnDescriptor(const RnnKey& key, cudnnDropoutDescriptor_t dropout,
   cudnnMathType_t math_type;
   MathFor(key, &math_prec, &math_type);
   JCR_RETURN_IF_CUDNN_ERROR(cudnnSetRNNDescriptor_v8(
-      rnn, CUDNN_RNN_ALGO_STANDARD, static_cast<cudnnRNNMode_t>(a.cell_mode),
+      rnn, static_cast<cudnnRNNAlgo_t>(a.algo), static_cast<cudnnRNNMode_t>(a.cell_mode),
       CUDNN_RNN_DOUBLE_BIAS, a.bidirectional ? CUDNN_BIDIRECTIONAL : CUDNN_UNIDIRECTIONAL,
       a.skip_input ? CUDNN_SKIP_INPUT : CUDNN_LINEAR_INPUT, key.data_type, math_prec, math_type,
       static_cast<int32_t>(a.input_size), static_cast<int32_t>(a.hidden_size),
@@ -106,18 +106,30 @@ Error SetRnnDescriptor(const RnnKey& key, cudnnDropoutDescriptor_t dropout,
 }
 
 Error RnnDescriptors::Init(cudnnHandle_t handle, const RnnKey& key) {
-  const RnnAttrs& a = key.attrs;
   // Dropout between layers is applied by JAX (same masks on every backend),
   // so cuDNN's own dropout is always off and needs no state buffer.
   JCR_RETURN_IF_CUDNN_ERROR(cudnnCreateDropoutDescriptor(&dropout_));
   JCR_RETURN_IF_CUDNN_ERROR(cudnnSetDropoutDescriptor(dropout_, handle, 0.0f, nullptr, 0, 0));
   JCR_RETURN_IF_CUDNN_ERROR(cudnnCreateRNNDescriptor(&rnn_));
+  JCR_RETURN_IF_CUDNN_ERROR(cudnnCreateTensorDescriptor(&state_));
+  if (key.attrs.algo != CUDNN_RNN_ALGO_STANDARD && Configure(handle, key).success()) {
+    return Error::Success();
+  }
+  // The standard algorithm: asked for, or in place of a persistent one that
+  // cuDNN turned down (cuDNN 9 refuses persistent algorithms for double at
+  // the descriptor, and may refuse a size at the size query).
+  RnnKey standard = key;
+  standard.attrs.algo = CUDNN_RNN_ALGO_STANDARD;
+  return Configure(handle, standard);
+}
+
+Error RnnDescriptors::Configure(cudnnHandle_t handle, const RnnKey& key) {
+  const RnnAttrs& a = key.attrs;
   JCR_RETURN_IF_ERROR(SetRnnDescriptor(key, dropout_, rnn_));
 
   const int dims[3] = {static_cast<int>(NumStates(a)), static_cast<int>(key.batch_size),
                        static_cast<int>(a.hidden_size)};
   const int strides[3] = {dims[1] * dims[2], dims[2], 1};
-  JCR_RETURN_IF_CUDNN_ERROR(cudnnCreateTensorDescriptor(&state_));
   JCR_RETURN_IF_CUDNN_ERROR(cudnnSetTensorNdDescriptor(state_, key.data_type, 3, dims, strides));
 
   std::vector<int32_t> full(static_cast<size_t>(key.batch_size),
@@ -133,6 +145,7 @@ Error RnnDescriptors::Init(cudnnHandle_t handle, const RnnKey& key) {
   JCR_RETURN_IF_CUDNN_ERROR(cudnnGetRNNTempSpaceSizes(handle, rnn_, CUDNN_FWD_MODE_TRAINING,
                                                       x_full_.get(), &sizes_.workspace_training,
                                                       &sizes_.reserve_space));
+  algo_ = static_cast<cudnnRNNAlgo_t>(a.algo);
   return Error::Success();
 }
 

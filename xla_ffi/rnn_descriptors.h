@@ -1,8 +1,8 @@
 // The RNN configuration, its cuDNN descriptors (RAII-owned), and their cache.
 //
 // A configuration (mode, sizes, direction, input mode, data type, math mode,
-// time steps, batch, layout) maps to one immutable `RnnDescriptors` per
-// device, created on first use and cached for the life of the process, so
+// algorithm, time steps, batch, layout) maps to one immutable `RnnDescriptors`
+// per device, created on first use and cached for the life of the process, so
 // steady-state calls create no descriptor. Data descriptors for explicit
 // sequence lengths depend on the lengths and are made per call
 // (`RnnDataDescriptor`).
@@ -67,7 +67,12 @@ class RnnDescriptors {
   RnnDescriptors& operator=(const RnnDescriptors&) = delete;
   ~RnnDescriptors();
 
-  // Creates the descriptors for `key` and queries the sizes.
+  // Creates the descriptors for `key` and queries the sizes. A persistent
+  // algorithm that cuDNN turns down for this configuration (at the descriptor
+  // or the size query) is replaced by the standard one, which serves every
+  // configuration; `algo()` says which one the descriptors hold. The size
+  // query and the handlers share this cache, so the reserve space sized at
+  // trace time is the one the handlers' algorithm needs.
   ::xla::ffi::Error Init(cudnnHandle_t handle, const RnnKey& key);
 
   cudnnRNNDescriptor_t rnn() const { return rnn_; }
@@ -75,6 +80,7 @@ class RnnDescriptors {
   const RnnDataDescriptor& x_full() const { return x_full_; }
   const RnnDataDescriptor& y_full() const { return y_full_; }
   const RnnSizes& sizes() const { return sizes_; }
+  cudnnRNNAlgo_t algo() const { return algo_; }
   std::unique_lock<std::mutex> Use() const { return std::unique_lock<std::mutex>(in_use_); }
 
  private:
@@ -85,10 +91,16 @@ class RnnDescriptors {
   RnnDataDescriptor x_full_;
   RnnDataDescriptor y_full_;
   RnnSizes sizes_{};
+  cudnnRNNAlgo_t algo_ = CUDNN_RNN_ALGO_STANDARD;
+
+  // Sets the descriptors (created once) to `key`, with `key.attrs.algo`, and
+  // queries the sizes.
+  ::xla::ffi::Error Configure(cudnnHandle_t handle, const RnnKey& key);
 };
 
-// Sets `rnn` to the configuration of `key` with cuDNN's dropout `dropout`
-// (never applied: JAX draws the masks). Host-side only: needs no handle.
+// Sets `rnn` to the configuration of `key`, its algorithm included, with
+// cuDNN's dropout `dropout` (never applied: JAX draws the masks). Host-side
+// only: needs no handle.
 ::xla::ffi::Error SetRnnDescriptor(const RnnKey& key, cudnnDropoutDescriptor_t dropout,
                                    cudnnRNNDescriptor_t rnn);
 
@@ -102,7 +114,7 @@ class RnnDescriptors {
 RnnKey MakeKey(int64_t cell_mode, int64_t num_layers, int64_t hidden_size, int64_t input_size,
                int32_t bidirectional, int32_t skip_input, int32_t batch_major,
                int32_t allow_tf32, int32_t data_type, int64_t max_seq_length,
-               int64_t batch_size);
+               int64_t batch_size, int64_t algo);
 
 // Number of gates (linear layers per side) of a cuDNN cell mode.
 int NumGates(int64_t cell_mode);

@@ -90,6 +90,20 @@ Error Prepare(cudaStream_t stream, const RnnAttrs& attrs, const AnyBuffer& x_lik
   return Error::Success();
 }
 
+// The status of one of cuDNN's RNN calls as an error. Under a persistent
+// algorithm the message names it, and how to run the standard one instead
+// (the algorithm is chosen in Python: `_cudnn.choose_algorithms`).
+Error Checked(const char* call, cudnnStatus_t status, const Call& c, const char* file, int line) {
+  if (status == CUDNN_STATUS_SUCCESS) return Error::Success();
+  std::string message = CallFailed(call, cudnnGetErrorString(status), file, line);
+  if (c.desc->algo() == CUDNN_RNN_ALGO_PERSIST_STATIC_SMALL_H) {
+    message += " with cuDNN's algorithm CUDNN_RNN_ALGO_PERSIST_STATIC_SMALL_H; set the "
+               "environment variable JAX_CUDNN_RNN_ALGORITHM=standard for the standard one";
+  }
+  return Error::Internal(message);
+}
+#define JCR_CHECKED(call, c, ...) Checked(#call, call(__VA_ARGS__), c, __FILE__, __LINE__)
+
 // XLA's scratch allocator refuses any alignment above 16 bytes
 // (XLA_FFI_DeviceMemory_Allocate's kMaxAlignment; seen on an H200 with jax 0.11.2,
 // where asking for 256 failed every call), so the workspace is over-allocated by
@@ -135,8 +149,8 @@ Error ForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, AnyBuffer 
   void* workspace;
   JCR_RETURN_IF_ERROR(Allocate(
       scratch, kTraining ? sizes.workspace_training : sizes.workspace_inference, &workspace));
-  JCR_RETURN_IF_CUDNN_ERROR(cudnnRNNForward(
-      call.handle.get(), call.desc->rnn(),
+  JCR_RETURN_IF_ERROR(JCR_CHECKED(
+      cudnnRNNForward, call, call.handle.get(), call.desc->rnn(),
       kTraining ? CUDNN_FWD_MODE_TRAINING : CUDNN_FWD_MODE_INFERENCE, seq_lengths.typed_data(),
       call.x_desc, x.untyped_data(), call.y_desc, y->untyped_data(), call.desc->state(),
       hx.untyped_data(), hy->untyped_data(), call.desc->state(),
@@ -194,8 +208,8 @@ Error BackwardData(cudaStream_t stream, ffi::ScratchAllocator scratch, AnyBuffer
   }
   void* workspace;
   JCR_RETURN_IF_ERROR(Allocate(scratch, sizes.workspace_training, &workspace));
-  JCR_RETURN_IF_CUDNN_ERROR(cudnnRNNBackwardData_v8(
-      call.handle.get(), call.desc->rnn(), seq_lengths.typed_data(), call.y_desc, y.untyped_data(),
+  JCR_RETURN_IF_ERROR(JCR_CHECKED(
+      cudnnRNNBackwardData_v8, call, call.handle.get(), call.desc->rnn(), seq_lengths.typed_data(), call.y_desc, y.untyped_data(),
       dy.untyped_data(), call.x_desc, dx->untyped_data(), call.desc->state(), hx.untyped_data(),
       dhy.untyped_data(), dhx->untyped_data(), call.desc->state(),
       call.shapes.lstm ? cx.untyped_data() : nullptr, call.shapes.lstm ? dcy.untyped_data() : nullptr,
@@ -222,8 +236,8 @@ Error BackwardWeights(cudaStream_t stream, ffi::ScratchAllocator scratch, AnyBuf
   // cuDNN only accumulates weight gradients (CUDNN_WGRAD_MODE_ADD): start from zero.
   JCR_RETURN_IF_CUDA_ERROR(
       cudaMemsetAsync(dweights->untyped_data(), 0, dweights->size_bytes(), stream));
-  JCR_RETURN_IF_CUDNN_ERROR(cudnnRNNBackwardWeights_v8(
-      call.handle.get(), call.desc->rnn(), CUDNN_WGRAD_MODE_ADD, seq_lengths.typed_data(),
+  JCR_RETURN_IF_ERROR(JCR_CHECKED(
+      cudnnRNNBackwardWeights_v8, call, call.handle.get(), call.desc->rnn(), CUDNN_WGRAD_MODE_ADD, seq_lengths.typed_data(),
       call.x_desc, x.untyped_data(), call.desc->state(), hx.untyped_data(), call.y_desc,
       y.untyped_data(), dweights->size_bytes(), dweights->untyped_data(), sizes.workspace_training,
       workspace, sizes.reserve_space, reserve_space.untyped_data()));

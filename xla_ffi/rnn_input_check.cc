@@ -3,10 +3,10 @@
 // what Python sends is what the handlers read, and that bad input comes back
 // as an error, not a crash.
 //
-//   JcrRnnCheckInputs  x, hx, cx, weights, seq_lengths -> int64 [12]:
+//   JcrRnnCheckInputs  x, hx, cx, weights, seq_lengths -> int64 [13]:
 //     cell_mode, num_layers, hidden_size, input_size, bidirectional,
-//     skip_input, batch_major, allow_tf32, has_seq_lengths (as decoded), then
-//     steps and batch (as derived from x) and the cudnnDataType_t of x's type.
+//     skip_input, batch_major, allow_tf32, has_seq_lengths, algo (as decoded),
+//     then steps and batch (as derived from x) and the cudnnDataType_t of x's type.
 //
 // It takes the forward handlers' operands and attributes and runs the same
 // `CheckInputs`, `CheckCellState` and, when `has_seq_lengths`, `CheckLengths`
@@ -25,7 +25,7 @@ namespace {
 
 namespace ffi = ::xla::ffi;
 
-constexpr int64_t kReportSize = 12;
+constexpr int64_t kReportSize = 13;
 
 ffi::Error CheckInputsOnHost(ffi::AnyBuffer x, ffi::AnyBuffer hx, ffi::AnyBuffer cx,
                              ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> seq_lengths,
@@ -45,7 +45,8 @@ ffi::Error CheckInputsOnHost(ffi::AnyBuffer x, ffi::AnyBuffer hx, ffi::AnyBuffer
   const int64_t values[kReportSize] = {
       attrs.cell_mode,  attrs.num_layers,  attrs.hidden_size,     attrs.input_size,
       attrs.bidirectional, attrs.skip_input, attrs.batch_major,   attrs.allow_tf32,
-      attrs.has_seq_lengths, shapes.steps,  shapes.batch,         shapes.cudnn_type};
+      attrs.has_seq_lengths, attrs.algo,  shapes.steps,          shapes.batch,
+      shapes.cudnn_type};
   for (int64_t i = 0; i < kReportSize; ++i) out[i] = values[i];
   return ffi::Error::Success();
 }

@@ -65,6 +65,12 @@ Error CheckAttrs(const RnnAttrs& a) {
                                   std::to_string(a.input_size) + ", hidden_size=" +
                                   std::to_string(a.hidden_size));
   }
+  if (a.algo != CUDNN_RNN_ALGO_STANDARD && a.algo != CUDNN_RNN_ALGO_PERSIST_STATIC_SMALL_H) {
+    return Error::InvalidArgument("algo must be " + std::to_string(CUDNN_RNN_ALGO_STANDARD) +
+                                  " (standard) or " +
+                                  std::to_string(CUDNN_RNN_ALGO_PERSIST_STATIC_SMALL_H) +
+                                  " (persist_static_small_h), got " + std::to_string(a.algo));
+  }
   return Error::Success();
 }
 

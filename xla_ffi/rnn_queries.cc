@@ -2,7 +2,7 @@
 //
 //   JcrRnnQuerySizes    weight-space, workspace and reserve-space sizes of a
 //                       configuration, so that the reserve space can be an
-//                       output of static shape.
+//                       output of static shape, and the algorithm it runs.
 //   JcrRnnWeightLayout  where cudnnGetRNNWeightParams puts every matrix and
 //                       bias, so tests can prove `_layout.py` equals it.
 //   JcrCudnnVersion     cudnnGetVersion() of the cuDNN this library loaded
@@ -43,12 +43,13 @@ Error QueryHandle(cudnnHandle_t* out) {
   return Error::Success();
 }
 
-Error QuerySizes(const RnnKey& key, RnnSizes* sizes) {
+Error QuerySizes(const RnnKey& key, RnnSizes* sizes, cudnnRNNAlgo_t* algo) {
   cudnnHandle_t handle;
   JCR_RETURN_IF_ERROR(QueryHandle(&handle));
   std::shared_ptr<const RnnDescriptors> desc;
   JCR_RETURN_IF_ERROR(GetRnnDescriptors(handle, key, &desc));
   *sizes = desc->sizes();
+  *algo = desc->algo();
   return Error::Success();
 }
 
@@ -71,22 +72,26 @@ Error WeightLayout(const RnnKey& key, int64_t element_size, int64_t* out, int64_
 
 extern "C" {
 
-// sizes_out: [weight_space, workspace_inference, workspace_training, reserve_space] in bytes.
+// sizes_out: [weight_space, workspace_inference, workspace_training, reserve_space] in
+// bytes, then the cudnnRNNAlgo_t the descriptors hold: `algo`, or the standard
+// algorithm where cuDNN turned `algo` down (`RnnDescriptors::Init`).
 int JcrRnnQuerySizes(int64_t cell_mode, int64_t num_layers, int64_t hidden_size,
                      int64_t input_size, int32_t bidirectional, int32_t skip_input,
                      int32_t batch_major, int32_t allow_tf32, int32_t data_type,
-                     int64_t max_seq_length, int64_t batch_size, uint64_t* sizes_out,
-                     char* error, size_t error_size) {
+                     int64_t max_seq_length, int64_t batch_size, int64_t algo,
+                     uint64_t* sizes_out, char* error, size_t error_size) {
   jcr::RnnKey key = jcr::MakeKey(cell_mode, num_layers, hidden_size, input_size, bidirectional,
                                  skip_input, batch_major, allow_tf32, data_type, max_seq_length,
-                                 batch_size);
+                                 batch_size, algo);
   jcr::RnnSizes sizes{};
-  int status = jcr::ReportToC(jcr::QuerySizes(key, &sizes), error, error_size);
+  cudnnRNNAlgo_t used = CUDNN_RNN_ALGO_STANDARD;
+  int status = jcr::ReportToC(jcr::QuerySizes(key, &sizes, &used), error, error_size);
   if (status == 0) {
     sizes_out[0] = sizes.weight_space;
     sizes_out[1] = sizes.workspace_inference;
     sizes_out[2] = sizes.workspace_training;
     sizes_out[3] = sizes.reserve_space;
+    sizes_out[4] = static_cast<uint64_t>(used);
   }
   return status;
 }
@@ -94,10 +99,11 @@ int JcrRnnQuerySizes(int64_t cell_mode, int64_t num_layers, int64_t hidden_size,
 // layout_out: 5 int64 per (pseudo-layer, linear-layer ID), see ReadWeightLayout.
 int JcrRnnWeightLayout(int64_t cell_mode, int64_t num_layers, int64_t hidden_size,
                        int64_t input_size, int32_t bidirectional, int32_t skip_input,
-                       int32_t data_type, int64_t element_size, int64_t* layout_out,
-                       int64_t capacity, char* error, size_t error_size) {
+                       int32_t data_type, int64_t algo, int64_t element_size,
+                       int64_t* layout_out, int64_t capacity, char* error, size_t error_size) {
   jcr::RnnKey key = jcr::WeightLayoutKey(cell_mode, num_layers, hidden_size, input_size,
-                                         bidirectional, skip_input, /*allow_tf32=*/0, data_type);
+                                         bidirectional, skip_input, /*allow_tf32=*/0, data_type,
+                                         algo);
   return jcr::ReportToC(jcr::WeightLayout(key, element_size, layout_out, capacity), error,
                      error_size);
 }

@@ -75,10 +75,10 @@ Error ReadWeightLayout(cudnnHandle_t handle, cudnnRNNDescriptor_t rnn, const Rnn
 
 RnnKey WeightLayoutKey(int64_t cell_mode, int64_t num_layers, int64_t hidden_size,
                        int64_t input_size, int32_t bidirectional, int32_t skip_input,
-                       int32_t allow_tf32, int32_t data_type) {
+                       int32_t allow_tf32, int32_t data_type, int64_t algo) {
   return MakeKey(cell_mode, num_layers, hidden_size, input_size, bidirectional, skip_input,
                  /*batch_major=*/0, allow_tf32, data_type, /*max_seq_length=*/1,
-                 /*batch_size=*/1);
+                 /*batch_size=*/1, algo);
 }
 
 }  // namespace jcr

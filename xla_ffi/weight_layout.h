@@ -18,10 +18,11 @@ namespace jcr {
 
 // The descriptor key to read a weight layout with: the layout does not depend
 // on the data layout, the steps or the batch, so those are fixed (time-major,
-// one step, one sequence).
+// one step, one sequence). `algo` is there so tests can show that it does not
+// depend on the algorithm either.
 RnnKey WeightLayoutKey(int64_t cell_mode, int64_t num_layers, int64_t hidden_size,
                        int64_t input_size, int32_t bidirectional, int32_t skip_input,
-                       int32_t allow_tf32, int32_t data_type);
+                       int32_t allow_tf32, int32_t data_type, int64_t algo);
 
 // Number of int64 that `ReadWeightLayout` writes for `attrs`.
 int64_t WeightLayoutSize(const RnnAttrs& attrs);
