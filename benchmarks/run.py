@@ -33,6 +33,7 @@ faster) and `<machine>-<date>.png` (when matplotlib is installed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -179,10 +180,35 @@ def _jax_contender(fwd, grad, args, scratch=None):
 # cannot run the shape.
 
 
-def ours(shape: Shape, implementation: str, time_major: bool = False):
+def ours(shape: Shape, implementation: str, time_major: bool = False,
+         algorithm: str | None = None):
   """Ours on batch-major input, as the peers take it; or, with `time_major`, on the
   same input laid out [T, B, I] (on a GPU, cuDNN's sequence-major layout: session 38
-  in benchmarks/NOTES.md)."""
+  in benchmarks/NOTES.md). `algorithm`: a cuDNN algorithm policy to trace it under
+  (`_cudnn.ALGORITHM_POLICIES`), else the environment's (by default "auto", which
+  picks the persistent small-h algorithm where cuDNN's limits allow)."""
+  with _environment(_cudnn.ALGORITHM_ENV, algorithm):
+    return _ours(shape, implementation, time_major)
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None):
+  """`name=value` in the environment for the block (unchanged for None), restored after."""
+  if value is None:
+    yield
+    return
+  before = os.environ.get(name)
+  os.environ[name] = value
+  try:
+    yield
+  finally:
+    if before is None:
+      del os.environ[name]
+    else:
+      os.environ[name] = before
+
+
+def _ours(shape: Shape, implementation: str, time_major: bool):
   spec = shape.spec()
   params = spec.init_params(jax.random.key(0))
   x = jax.random.normal(jax.random.key(1), (shape.batch, shape.seq_len, shape.input_size),
@@ -299,6 +325,10 @@ def contenders(shape: Shape, gpu: bool, have_torch: bool):
   if gpu:
     out["ours-cudnn"] = lambda: ours(shape, "cudnn")
     out["ours-cudnn-time-major"] = lambda: ours(shape, "cudnn", time_major=True)
+    if _cudnn.choose_algorithms(shape.spec(), has_seq_lengths=False) != (0, 0):
+      # A shape where ours-cudnn runs cuDNN's persistent small-h algorithm: the
+      # standard one beside it (session 39 in benchmarks/NOTES.md).
+      out["ours-cudnn-standard"] = lambda: ours(shape, "cudnn", algorithm="standard")
     out["jax.experimental.rnn"] = lambda: jax_experimental(shape)
   if have_torch:
     out["torch"] = lambda: torch_rnn(shape, "cuda" if gpu else "cpu")

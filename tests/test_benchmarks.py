@@ -25,16 +25,26 @@ TINY = dict(mode="lstm", batch=2, seq_len=3, input_size=4, hidden=5, layers=2,
             bidirectional=True, dtype="float32")
 
 
+def cudnn_contenders(shape) -> set:
+  """Our cuDNN contenders on a GPU: both layouts, and the standard algorithm beside the
+  default where the default is cuDNN's persistent small-h one (`_cudnn.choose_algorithms`)."""
+  from jax_cudnn_rnn import _cudnn
+  small_h = _cudnn.choose_algorithms(shape.spec(), has_seq_lengths=False) != (0, 0)
+  return {"ours-cudnn", "ours-cudnn-time-major"} | ({"ours-cudnn-standard"} if small_h else set())
+
+
 @pytest.mark.parametrize("as_gpu", [False, True], ids=["cpu", "gpu-with-handler-model"])
 def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   run = load_benchmark("run")
   shape = run.Shape(**TINY)
   monkeypatch.setattr(run, "grid", lambda quick, gpu: [shape])
   if as_gpu:
-    HandlerModel().install(monkeypatch.setattr)
+    model = HandlerModel().install(monkeypatch.setattr)
   assert run.main(["--quick", "--repeats", "2", "--warmup", "1",
                    "--out-dir", str(tmp_path), "--machine", "test-v0.1"]) == 0
   printed = capsys.readouterr().out
+  if as_gpu:  # ours-cudnn-standard ran the standard algorithm, the others the persistent one
+    assert all(algos == {0, 3} for algos in model.algorithms.values()), model.algorithms
 
   # A dot in the machine's name stays in the files' names (not taken for a suffix).
   written = sorted(p.name for p in tmp_path.iterdir())
@@ -61,8 +71,7 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
     assert re.fullmatch(r"[0-9a-f]{40}", versions["commit"]), versions
     assert isinstance(versions["uncommitted changes"], list), versions
   ours = "ours-cudnn" if as_gpu else "ours-xla"
-  timed = {"ours-xla", "flax-scan"} | (
-      {"ours-cudnn", "ours-cudnn-time-major"} if as_gpu else set())
+  timed = {"ours-xla", "flax-scan"} | (cudnn_contenders(shape) if as_gpu else set())
   if has_torch() and not as_gpu:
     timed.add("torch")
   results = {(r["impl"], r["phase"]): r for r in record["results"]}
@@ -244,7 +253,8 @@ def test_profile_script_reports_every_contender(as_gpu, tmp_path, monkeypatch, c
   # In its GPU configuration, the peers that need CUDA cannot run on this CPU:
   # reported, not fatal.
   timed = {"ours-xla", "flax-scan"} | (
-      {"ours-cudnn", "ours-cudnn-time-major"} if as_gpu else {"torch"})
+      cudnn_contenders(profile.parse_shape("lstm,2,3,4,5,2,bi,float32")) if as_gpu
+      else {"torch"})
   assert set(rows) == {(i, p) for i in timed for p in ("fwd", "fwd+bwd")}, rows
   assert failed == ({"jax.experimental.rnn", "torch"} if as_gpu else set())
   for (impl, phase), (wall, kernel_us, kernels) in rows.items():
