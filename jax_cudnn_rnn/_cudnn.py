@@ -10,6 +10,10 @@ wraps them in a `custom_vjp` whose residual is cuDNN's reserve space.
 - Sizes (weight space, reserve space) are queried from cuDNN at trace time
   through a plain C entry point and cached per configuration, so the reserve
   space is an output of static shape.
+- The algorithm: cuDNN's persistent small-hidden-size one where its limits
+  allow (float32, no `seq_lengths`, small hidden sizes), else the standard one
+  (`choose_algorithms`, per pass; `JAX_CUDNN_RNN_ALGORITHM=standard` for the
+  standard one everywhere).
 - Without `seq_lengths`, the handler gets a device array of full lengths and
   never synchronises with the host. cuDNN needs lengths >= 1: zero lengths are
   run as 1 and their outputs and final states replaced afterwards (outside the
@@ -206,7 +210,10 @@ def in_compiled(compiled) -> bool:
 # cuDNN's RNN feature table documents: no float64, no per-sequence lengths,
 # and a largest hidden size per cell and pass. A training forward and its two
 # backward passes share one reserve space, so they share one algorithm: the
-# backward's limit decides for all three. The cuDNN this library loaded keeps
+# backward's limit decides for all three. Only float32 asks for it: on the H200
+# (benchmarks/NOTES.md, sessions 38-39) PyTorch, running it at H128, was 3.5-5x
+# faster than our standard algorithm in float32 but slower in bfloat16, and
+# float16 was not measured. The cuDNN this library loaded keeps
 # the weight layout of both algorithms identical (tests/test_layout_probe.py
 # checks it on a CPU, test_cudnn.py on a GPU), and where cuDNN turns a persistent
 # algorithm down for a configuration the native library falls back to the
@@ -237,7 +244,7 @@ def choose_algorithms(spec, has_seq_lengths: bool) -> tuple[int, int]:
   """The cudnnRNNAlgo_t of `spec`'s inference call and of its training calls."""
   standard, small_h = ALGORITHMS["standard"], ALGORITHMS["persist_static_small_h"]
   if (algorithm_policy() == "standard" or has_seq_lengths
-      or np.dtype(spec.dtype) == np.dtype(np.float64)):
+      or np.dtype(spec.dtype) != np.dtype(np.float32)):
     return standard, standard
   return tuple(small_h if spec.num_units <= limit else standard
                for limit in SMALL_H_LIMITS[spec.rnn_mode])

@@ -42,10 +42,13 @@ def test_config_attributes_have_exact_ffi_types():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 def test_persistent_algorithm_within_cudnn_limits(cls, limits, dtype):
   """`(inference, training)` algorithms at each side of the hidden-size limits
-  of cuDNN's persistent small-h algorithm (3; else the standard one, 0)."""
+  of cuDNN's persistent small-h algorithm (3; else the standard one, 0), in
+  float32; half precision keeps the standard one (not measured faster)."""
   infer, train = limits
   for hidden, want in [(1, (3, 3)), (train, (3, 3)), (train + 1, (3, 0)), (infer, (3, 0)),
                        (infer + 1, (0, 0))]:
+    if dtype != jnp.float32:
+      want = (0, 0)
     spec = cls(2, hidden, 5, direction="bidirectional", dtype=dtype)
     assert _cudnn.choose_algorithms(spec, has_seq_lengths=False) == want, (hidden, want)
     assert _cudnn.choose_algorithms(spec, has_seq_lengths=True) == (0, 0), hidden
