@@ -211,7 +211,7 @@ def in_compiled(compiled) -> bool:
 # and a largest hidden size per cell and pass. A training forward and its two
 # backward passes share one reserve space, so they share one algorithm: the
 # backward's limit decides for all three. Only float32 asks for it: on the H200
-# (benchmarks/NOTES.md, sessions 38-39) PyTorch, running it at H128, was 3.5-5x
+# (benchmarks/NOTES.md, sessions 38-39) PyTorch, running it at H128, was 2.9-5x
 # faster than our standard algorithm in float32 but slower in bfloat16, and
 # float16 was not measured. The cuDNN this library loaded keeps
 # the weight layout of both algorithms identical (tests/test_layout_probe.py
