@@ -209,10 +209,11 @@ Error BackwardData(cudaStream_t stream, ffi::ScratchAllocator scratch, AnyBuffer
   void* workspace;
   JCR_RETURN_IF_ERROR(Allocate(scratch, sizes.workspace_training, &workspace));
   JCR_RETURN_IF_ERROR(JCR_CHECKED(
-      cudnnRNNBackwardData_v8, call, call.handle.get(), call.desc->rnn(), seq_lengths.typed_data(), call.y_desc, y.untyped_data(),
-      dy.untyped_data(), call.x_desc, dx->untyped_data(), call.desc->state(), hx.untyped_data(),
-      dhy.untyped_data(), dhx->untyped_data(), call.desc->state(),
-      call.shapes.lstm ? cx.untyped_data() : nullptr, call.shapes.lstm ? dcy.untyped_data() : nullptr,
+      cudnnRNNBackwardData_v8, call, call.handle.get(), call.desc->rnn(),
+      seq_lengths.typed_data(), call.y_desc, y.untyped_data(), dy.untyped_data(), call.x_desc,
+      dx->untyped_data(), call.desc->state(), hx.untyped_data(), dhy.untyped_data(),
+      dhx->untyped_data(), call.desc->state(), call.shapes.lstm ? cx.untyped_data() : nullptr,
+      call.shapes.lstm ? dcy.untyped_data() : nullptr,
       call.shapes.lstm ? dcx->untyped_data() : nullptr, weights.size_bytes(), weights.untyped_data(),
       sizes.workspace_training, workspace, sizes.reserve_space, reserve_out->untyped_data()));
   return Error::Success();
@@ -237,10 +238,11 @@ Error BackwardWeights(cudaStream_t stream, ffi::ScratchAllocator scratch, AnyBuf
   JCR_RETURN_IF_CUDA_ERROR(
       cudaMemsetAsync(dweights->untyped_data(), 0, dweights->size_bytes(), stream));
   JCR_RETURN_IF_ERROR(JCR_CHECKED(
-      cudnnRNNBackwardWeights_v8, call, call.handle.get(), call.desc->rnn(), CUDNN_WGRAD_MODE_ADD, seq_lengths.typed_data(),
-      call.x_desc, x.untyped_data(), call.desc->state(), hx.untyped_data(), call.y_desc,
-      y.untyped_data(), dweights->size_bytes(), dweights->untyped_data(), sizes.workspace_training,
-      workspace, sizes.reserve_space, reserve_space.untyped_data()));
+      cudnnRNNBackwardWeights_v8, call, call.handle.get(), call.desc->rnn(),
+      CUDNN_WGRAD_MODE_ADD, seq_lengths.typed_data(), call.x_desc, x.untyped_data(),
+      call.desc->state(), hx.untyped_data(), call.y_desc, y.untyped_data(), dweights->size_bytes(),
+      dweights->untyped_data(), sizes.workspace_training, workspace, sizes.reserve_space,
+      reserve_space.untyped_data()));
   return Error::Success();
 }
 
