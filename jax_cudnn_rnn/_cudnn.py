@@ -197,9 +197,6 @@ def in_compiled(compiled) -> bool:
   return any(f'"{target}"' in text or f"@{target}(" in text for target in TARGETS)
 
 
-# -- configuration and size queries ---------------------------------------------
-
-
 # -- the algorithm -----------------------------------------------------------------
 #
 # cuDNN's standard algorithm runs each step as separate kernels. Its persistent
@@ -248,6 +245,9 @@ def choose_algorithms(spec, has_seq_lengths: bool) -> tuple[int, int]:
     return standard, standard
   return tuple(small_h if spec.num_units <= limit else standard
                for limit in SMALL_H_LIMITS[spec.rnn_mode])
+
+
+# -- configuration and size queries ---------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
