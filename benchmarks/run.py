@@ -222,8 +222,7 @@ def _ours(shape: Shape, implementation: str, time_major: bool):
 
   scratch = None
   if implementation == "cudnn":  # one fused call per phase (no dropout)
-    sizes = _cudnn.query_sizes(_cudnn.Config.of(spec, time_major=time_major,
-                                                has_seq_lengths=False),
+    sizes = _cudnn.query_sizes(_cudnn.call_config(spec, time_major, has_lengths=False),
                                spec.dtype, shape.seq_len, shape.batch)
     scratch = {"fwd": sizes["workspace_inference"], "fwd+bwd": sizes["workspace_training"]}
   return _jax_contender(run, jax.grad(lambda x, p: jnp.sum(run(x, p).astype(jnp.float32)),

@@ -360,7 +360,7 @@ def supports(spec, steps: int, batch: int, time_major: bool) -> tuple[bool, str]
   type, e.g. bfloat16 RNNs), or where its weight space is not the opaque buffer
   `_layout` describes (a size or placement that `cudnn_order` cannot map), so
   that `implementation=None` then runs the XLA path rather than failing."""
-  cfg = Config.of(spec, time_major, has_seq_lengths=False)
+  cfg = call_config(spec, time_major, has_lengths=False)
   try:
     sizes = query_sizes(cfg, spec.dtype, *_query_dims(steps, batch))
   except ValueError as e:
@@ -597,9 +597,31 @@ def order_from_layout(spec, rows: np.ndarray) -> np.ndarray | None:
   return None if (order == np.arange(size)).all() else order
 
 
-def _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major):
-  """`spec`'s layers as one fused call (`spec` may be a `_layer_spec`)."""
+def call_config(spec, time_major: bool, has_lengths: bool) -> Config:
+  """The configuration of `spec`'s fused call on data in this layout: as given,
+  but sequence-major under the persistent small-h algorithm (`_run_fused`)."""
   cfg = Config.of(spec, time_major, has_lengths)
+  if cfg.batch_major and ALGORITHMS["persist_static_small_h"] in cfg.algorithms:
+    return Config.of(spec, True, has_lengths)
+  return cfg
+
+
+def _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major):
+  """`spec`'s layers as one fused call (`spec` may be a `_layer_spec`).
+
+  Batch-major data goes to cuDNN as it is (its batch-major layout), but where
+  a call runs the persistent small-h algorithm: there it is transposed to
+  sequence-major around the call, the layout that algorithm is known to run in
+  (PyTorch gives it no other); whether cuDNN takes it batch-major has not been
+  tried on a GPU (README, Known limitations). A departure from DESIGN's "no
+  transposes" for the batch-major layout, costing two transposes of the data
+  (four with the gradient) at the small hidden sizes where that algorithm runs.
+  """
+  cfg = call_config(spec, time_major, has_lengths)
+  if cfg.batch_major != (not time_major):
+    y, h, c = _run_fused(spec, jnp.swapaxes(x, 0, 1), h0, c0, params, lengths, has_lengths,
+                         time_major=True)
+    return jnp.swapaxes(y, 0, 1), h, c
   order = cudnn_order(spec)
   if order is not None:
     params = params[order]

@@ -106,6 +106,7 @@ class HandlerModel:
     self.calls = collections.Counter()
     self.x_shapes = []  # the first operand's shape, per traced call
     self.algorithms = collections.defaultdict(set)  # target -> the `algo` attributes it got
+    self.batch_major = collections.defaultdict(set)  # target -> its `batch_major` attributes
 
   def query_sizes(self, cfg, dtype, steps, batch):
     # The native query takes C integers: a symbolic dimension must not reach it.
@@ -156,6 +157,7 @@ class HandlerModel:
       self.calls[target] += 1
       self.x_shapes.append(operands[0].shape)
       self.algorithms[target].add(int(attrs["algo"]))
+      self.batch_major[target].add(bool(attrs["batch_major"]))
       results = run(config_of(attrs), *operands)
       declared = (result_shape_dtypes if isinstance(result_shape_dtypes, (tuple, list))
                   else (result_shape_dtypes,))

@@ -161,16 +161,18 @@ def _check_inference(spec, T, B, time_major=True):
 @pytest.mark.parametrize("time_major", [True, False])
 def test_both_algorithms_match_the_reference(monkeypatch, policy, cls, time_major):
   """cuDNN's persistent small-h algorithm (what "auto" picks at this size, for
-  inference and training) and its standard one: values and gradients against
-  the reference in both layouts, and cuDNN runs the algorithm asked for (the
-  native library would fall back to the standard one where cuDNN refused)."""
+  inference and training; batch-major data then goes to cuDNN sequence-major)
+  and its standard one: values and gradients against the reference in both
+  layouts, and cuDNN runs the algorithm asked for (the native library would
+  fall back to the standard one where cuDNN refused)."""
   monkeypatch.setenv(_cudnn.ALGORITHM_ENV, policy)
   spec = cls(2, 16, 8, direction="bidirectional", dtype=jnp.float32)
   T, B = 9, 5
   _check_against_reference(spec, T=T, B=B, time_major=time_major)
   _check_inference(spec, T, B, time_major)
   with jax.default_matmul_precision("highest"):
-    cfg = _cudnn.Config.of(spec, time_major, has_seq_lengths=False)
+    cfg = _cudnn.call_config(spec, time_major, has_lengths=False)
+  assert cfg.batch_major == (policy == "standard" and not time_major), cfg
   ran = _cudnn.query_sizes(cfg, spec.dtype, T, B)["algorithms"]
   assert ran == ((3, 3) if policy == "auto" else (0, 0)), ran
 

@@ -154,6 +154,35 @@ def test_each_call_gets_its_pass_algorithm(handlers, monkeypatch, hidden, length
       "jcr_rnn_backward_data": {training}, "jcr_rnn_backward_weights": {training}}
 
 
+@pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
+@pytest.mark.parametrize("policy", _cudnn.ALGORITHM_POLICIES)
+def test_batch_major_data_is_sequence_major_under_the_persistent_algorithm(
+    handlers, monkeypatch, cls, policy):
+  """Batch-major data reaches cuDNN batch-major, but under the persistent
+  small-h algorithm, which gets it transposed to sequence-major (the layout it
+  is known to run in); values and gradients are the same either way."""
+  monkeypatch.setenv(_cudnn.ALGORITHM_ENV, policy)
+  spec = cls(2, 6, 3, direction="bidirectional")
+  x, h, c, params = _inputs(spec, 5, 3, time_major=False)
+
+  def loss(x, h, p, impl):
+    y, hn, _ = call(spec, x, h, c, p, time_major=False, implementation=impl)
+    return jnp.sum(jnp.sin(y)) + jnp.sum(hn ** 2), y
+
+  grad = lambda impl: jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True),
+                              static_argnums=3)(x, h, params, impl)
+  (got, y), (want, y_ref) = grad("cudnn"), grad("xla")
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  assert y.shape == (3, 5, 12)
+  inference = jax.jit(lambda x: call(spec, x, h, c, params, is_training=False,
+                                     time_major=False, implementation="cudnn")[0])(x)
+  np.testing.assert_allclose(inference, y_ref, rtol=1e-5, atol=1e-6)
+  batch_major = {policy == "standard"}
+  assert handlers.batch_major == {t: batch_major for t in _cudnn.TARGETS}, handlers.batch_major
+
+
 def test_vmap_of_gradients(handlers):
   spec = jcr.CudnnGRU(1, 4, 3, dtype=jnp.float64)
   x, h, _, params = _inputs(spec, 5, 2, True)
