@@ -13,7 +13,9 @@ wraps them in a `custom_vjp` whose residual is cuDNN's reserve space.
 - The algorithm: cuDNN's persistent small-hidden-size one where its limits
   allow (float32, no `seq_lengths`, small hidden sizes), else the standard one
   (`choose_algorithms`, per pass; `JAX_CUDNN_RNN_ALGORITHM=standard` for the
-  standard one everywhere).
+  standard one everywhere). Under the persistent one, batch-major data goes to
+  cuDNN sequence-major, transposed around the call: a departure from DESIGN's
+  "no transposes" for that layout, whose reason `_run_fused` gives.
 - Without `seq_lengths`, the handler gets a device array of full lengths and
   never synchronises with the host. cuDNN needs lengths >= 1: zero lengths are
   run as 1 and their outputs and final states replaced afterwards (outside the
