@@ -63,7 +63,8 @@ def _probe(queries):
 def _cases(cls, dtype):
   """(spec, allow_tf32, algo) for every size, direction and input mode; float32 with and
   without TF32; the standard algorithm and, but for float64 (which cuDNN runs with the
-  standard one only), the persistent small-h one that `_cudnn` picks at small sizes."""
+  standard one only), the persistent small-h one, which `_cudnn` picks for float32 at small
+  sizes (half precision is checked too, for when it does there)."""
   for (layers, units, inputs), direction, mode in itertools.product(
       SIZES, ("unidirectional", "bidirectional"), ("linear_input", "skip_input")):
     spec = cls(layers, units, units if mode == "skip_input" else inputs, input_mode=mode,
