@@ -324,7 +324,8 @@ def contenders(shape: Shape, gpu: bool, have_torch: bool):
   if gpu:
     out["ours-cudnn"] = lambda: ours(shape, "cudnn")
     out["ours-cudnn-time-major"] = lambda: ours(shape, "cudnn", time_major=True)
-    if _cudnn.choose_algorithms(shape.spec(), has_seq_lengths=False) != (0, 0):
+    if (_cudnn.ALGORITHMS["persist_static_small_h"]
+        in _cudnn.choose_algorithms(shape.spec(), has_seq_lengths=False)):
       # A shape where ours-cudnn runs cuDNN's persistent small-h algorithm: the
       # standard one beside it (session 39 in benchmarks/NOTES.md).
       out["ours-cudnn-standard"] = lambda: ours(shape, "cudnn", algorithm="standard")

@@ -620,7 +620,7 @@ def _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major):
   (four with the gradient) at the small hidden sizes where that algorithm runs.
   """
   cfg = call_config(spec, time_major, has_lengths)
-  if cfg.batch_major != (not time_major):
+  if not time_major and not cfg.batch_major:  # batch-major data, run sequence-major
     y, h, c = _run_fused(spec, jnp.swapaxes(x, 0, 1), h0, c0, params, lengths, has_lengths,
                          time_major=True)
     return jnp.swapaxes(y, 0, 1), h, c
