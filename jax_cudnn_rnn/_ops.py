@@ -157,12 +157,20 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     run = _compiled_transformed_dispatch
   else:
     run = _dispatch
-  y, h, c = run(spec, backend, apply_dropout, bool(time_major), *operands)
+  # cuDNN's algorithm policy (JAX_CUDNN_RNN_ALGORITHM) is read while the cuDNN
+  # call is traced; read here too, it keys the compiled caches below, so that a
+  # policy changed between two eager calls is not answered by the program
+  # traced under the old one (and a bad value is refused at every call).
+  policy = None if backend == "xla" else _cudnn.algorithm_policy()
+  y, h, c = run(spec, backend, apply_dropout, bool(time_major), policy, *operands)
   return (y, h, c) if spec.has_cell_state else (y, h)
 
 
-def _dispatch(spec, backend, apply_dropout, time_major, x, h0, c0, params, lengths, dropout_key):
-  """Runs the validated call on `backend` ("xla", "cudnn" or "auto")."""
+def _dispatch(spec, backend, apply_dropout, time_major, policy, x, h0, c0, params, lengths,
+              dropout_key):
+  """Runs the validated call on `backend` ("xla", "cudnn" or "auto"). `policy`,
+  the cuDNN algorithm policy the call was made under, is only a cache key: the
+  cuDNN path reads the same policy while it is traced (`_cudnn.choose_algorithms`)."""
   options = dict(seq_lengths=lengths, dropout_key=dropout_key, apply_dropout=apply_dropout,
                  time_major=time_major)
   xla = lambda *a: _xla.rnn(spec, *a, **options)
@@ -188,7 +196,7 @@ def _dispatch(spec, backend, apply_dropout, time_major, x, h0, c0, params, lengt
 # call: 0.75 s a call against 1-2 ms (an LSTM, 2 layers, 64 units, T=50, B=8,
 # XLA:CPU). `inline=True` inlines the call into an enclosing `jit` that closes
 # over concrete operands.
-_compiled_dispatch = jax.jit(_dispatch, static_argnums=(0, 1, 2, 3), inline=True)
+_compiled_dispatch = jax.jit(_dispatch, static_argnums=(0, 1, 2, 3, 4), inline=True)
 
 # A transformation applied eagerly (`jax.grad`, `jax.jvp`, `jax.linearize`,
 # `jax.vmap`, outside `jit`: operands traced, but holding values) of the "xla"
@@ -206,7 +214,7 @@ _compiled_dispatch = jax.jit(_dispatch, static_argnums=(0, 1, 2, 3), inline=True
 # Any other traced call (under `jit`, `jax.checkpoint`, `shard_map`; any on
 # the cuDNN path) calls `_dispatch` itself, in the caller's trace, and makes
 # the same program as before these caches.
-_compiled_transformed_dispatch = jax.jit(_dispatch, static_argnums=(0, 1, 2, 3))
+_compiled_transformed_dispatch = jax.jit(_dispatch, static_argnums=(0, 1, 2, 3, 4))
 
 # Where each transformation's tracer keeps what it wraps: a value, outside `jit`.
 _WRAPPED = {"JVPTracer": "primal", "LinearizeTracer": "primal", "BatchTracer": "val"}

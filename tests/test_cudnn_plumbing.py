@@ -154,6 +154,27 @@ def test_each_call_gets_its_pass_algorithm(handlers, monkeypatch, hidden, length
       "jcr_rnn_backward_data": {training}, "jcr_rnn_backward_weights": {training}}
 
 
+def test_eager_calls_follow_a_changed_algorithm_policy(handlers, monkeypatch):
+  """An eager call runs a cached program (`_ops._compiled_dispatch`); the policy
+  keys that cache, so a call made after `JAX_CUDNN_RNN_ALGORITHM` changed is
+  traced again under the new policy, and a bad value is refused even where a
+  program for the shape is cached."""
+  spec = jcr.CudnnLSTM(1, 8, 3)
+  x, h, c, params = _inputs(spec, 3, 2, True)
+  want = spec(x, h, c, params, is_training=False, implementation="xla")[0]
+  for policy, algorithms in (("auto", {3}), ("standard", {3, 0}), ("auto", {3, 0})):
+    monkeypatch.setenv(_cudnn.ALGORITHM_ENV, policy)
+    got = spec(x, h, c, params, is_training=False, implementation="cudnn")[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert handlers.algorithms["jcr_rnn_forward_inference"] == algorithms, policy
+  # Two policies, two traces: the third call came from the cache.
+  assert handlers.calls == {"jcr_rnn_forward_inference": 2}
+  monkeypatch.setenv(_cudnn.ALGORITHM_ENV, "persistent")
+  with pytest.raises(ValueError, match="JAX_CUDNN_RNN_ALGORITHM must be one of auto, "
+                                       "standard; got 'persistent'"):
+    spec(x, h, c, params, is_training=False, implementation="cudnn")
+
+
 @pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
 @pytest.mark.parametrize("policy", _cudnn.ALGORITHM_POLICIES)
 def test_batch_major_data_is_sequence_major_under_the_persistent_algorithm(
