@@ -40,7 +40,8 @@ same with 2 bidirectional layers 240 -> 182 ms, B64 T100 I128 55.0 -> 53.4 ms.
 Compiling takes about twice as long (the unrolled steps), so sequences shorter
 than `MIN_CHUNKED_STEPS` (32), and numbers of steps with no divisor in [4, 16],
 run step by step, as the reference does. The chunks are near 8 steps for the
-forward alone (`INFERENCE_CHUNK`) and near 4 for the forward of the derivative
+forward alone (`INFERENCE_CHUNK`; a GRU's near 16 from 64 steps on,
+`inference_chunk`) and near 4 for the forward of the derivative
 (`DERIVATIVE_CHUNK`, training): there the forward is a smaller part of the
 work, and chunks of 4 measured as fast as chunks of 8-10 in forward+backward
 (ms: LSTM B32 T100 I256 H256 2 bidirectional layers 307 vs 305, step by step
@@ -209,6 +210,28 @@ MIN_CHUNKED_STEPS = 32
 # for the same speed (the module docstring).
 INFERENCE_CHUNK = 8
 DERIVATIVE_CHUNK = 4
+# A GRU's forward alone over `LONG_GRU_STEPS` steps or more seeks chunks of
+# `LONG_GRU_CHUNK`. On a 2-core Xeon (AMX) the GRU's chunk-8 forward ran at
+# one of two speeds, by process (B16 T256 I128 H256, float32: 23-27 ms in
+# most processes, 18.6-20.2 ms in two; on one CPU, 20.0), its loop waiting more
+# on XLA:CPU's second thread when slow; chunks of 16 ran at the faster speed in
+# every process (18.2-22.3 ms; Flax's scan 18.8-20.6). Forward, ms, chunks of
+# 8 -> 16 interleaved in one process: where 8 was slow, B16 T256 24.4 -> 20.4,
+# bfloat16 13.4 -> 12.3, B16 T128 12.5 -> 10.2, B16 T64 6.35 -> 5.24, B64 T128
+# 35.0 -> 34.4, 2 bidirectional layers B16 T256 71.1 -> 67.1; where 8 was
+# fast, B16 T256 20.2 -> 19.7, B16 T64 5.29 -> 5.16. At 32 steps (B8-B64) 16
+# was 2-3% slower, and the LSTM's forward moved within the noise (-4% to +4%
+# at T128-T256), so both keep 8 there. The price: the GRU's forward compiles
+# in 1.3-1.5x the time (0.31 -> 0.46 s at B16 T64; benchmarks/NOTES.md,
+# session 40).
+LONG_GRU_STEPS = 64
+LONG_GRU_CHUNK = 16
+
+
+def inference_chunk(mode: str, steps) -> int:
+  """The chunk length the forward alone seeks (`chunk_steps`'s `target`)."""
+  long = isinstance(steps, (int, np.integer)) and steps >= LONG_GRU_STEPS
+  return LONG_GRU_CHUNK if mode == "gru" and long else INFERENCE_CHUNK
 
 
 def chunk_steps(steps: int, target: int = INFERENCE_CHUNK) -> int:
@@ -316,7 +339,8 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients):
   # Pins the prepared weights and biases, so that XLA hoists their slicing
   # (and transposes) out of a loop around this call (the module docstring).
   W, R, bW, bR = jax.lax.optimization_barrier((W, R, bW, bR))
-  chunk = chunk_steps(xs[0].shape[0], DERIVATIVE_CHUNK if coefficients else INFERENCE_CHUNK)
+  steps = xs[0].shape[0]
+  chunk = chunk_steps(steps, DERIVATIVE_CHUNK if coefficients else inference_chunk(mode, steps))
   if chunk == 1:
     return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul)
   return _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk)

@@ -141,6 +141,9 @@ def test_chunk_steps():
   assert {t: _xla.chunk_steps(t, _xla.INFERENCE_CHUNK) for t in expected} == expected
   expected = {1: 1, 31: 1, 32: 4, 36: 4, 50: 5, 60: 4, 77: 7, 100: 4, 101: 1, 256: 4}
   assert {t: _xla.chunk_steps(t, _xla.DERIVATIVE_CHUNK) for t in expected} == expected
+  expected = {32: 8, 63: 7, 64: 16, 100: 10, 128: 16, 150: 15, 256: 16}
+  assert {t: _xla.chunk_steps(t, _xla.inference_chunk("gru", t)) for t in expected} == expected
+  assert {_xla.inference_chunk(m, 256) for m in ("lstm", "rnn_tanh", "rnn_relu")} == {8}
 
 
 def _scan_lengths(jaxpr) -> list[int]:
@@ -156,6 +159,23 @@ def test_forward_and_derivative_chunk_lengths():
   assert _scan_lengths(forward) == [4]
   grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(_xla.rnn(spec, x, h, c, params)[0])))(x)
   assert sorted(_scan_lengths(grad)) == [8, 32], _scan_lengths(grad)
+
+
+@pytest.mark.parametrize("cls,steps,trips", [
+    (jcr.CudnnGRU, 64, 4), (jcr.CudnnGRU, 48, 6), (jcr.CudnnLSTM, 64, 8),
+    (jcr.CudnnRNNTanh, 64, 8)])
+def test_long_gru_forward_runs_longer_chunks(cls, steps, trips):
+  """A GRU's forward alone over 64 steps or more seeks chunks of 16 steps
+  (`_xla.inference_chunk`), the other cells' and shorter ones 8; the derivative's
+  forward keeps chunks of 4 either way. Values as the reference's."""
+  spec = cls(1, 3, 2)
+  x, h, c = (None if a is None else jnp.asarray(a) for a in random_inputs(spec, steps, 2, seed=5))
+  params = spec.init_params(jax.random.key(0))
+  forward = lambda x: _xla.rnn(spec, x, h, c, params)[0]
+  assert _scan_lengths(jax.make_jaxpr(forward)(x)) == [trips]
+  grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(forward(x))))(x)
+  assert sorted(_scan_lengths(grad)) == [steps // 4, steps], _scan_lengths(grad)
+  _assert_close(forward(x), _reference.rnn(spec, x, h, c, params)[0])
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
