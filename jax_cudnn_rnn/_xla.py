@@ -213,7 +213,7 @@ DERIVATIVE_CHUNK = 4
 # A GRU's forward alone over `LONG_GRU_STEPS` steps or more seeks chunks of
 # `LONG_GRU_CHUNK`. On a 2-core Xeon (AMX) the GRU's chunk-8 forward ran at
 # one of two speeds, by process (B16 T256 I128 H256, float32: 23-27 ms in
-# most processes, 18.6-20.2 ms in two; on one CPU, 20.0), its loop waiting more
+# most processes, 20.2 ms in one; on one CPU, 20.0), its loop waiting more
 # on XLA:CPU's second thread when slow; chunks of 16 ran at the faster speed in
 # every process (18.2-22.3 ms; Flax's scan 18.8-20.6). Forward, ms, chunks of
 # 8 -> 16 interleaved in one process: where 8 was slow, B16 T256 24.4 -> 20.4,
