@@ -220,7 +220,7 @@ DERIVATIVE_CHUNK = 4
 # bfloat16 13.4 -> 12.3, B16 T128 12.5 -> 10.2, B16 T64 6.35 -> 5.24, B64 T128
 # 35.0 -> 34.4, 2 bidirectional layers B16 T256 71.1 -> 67.1; where 8 was
 # fast, B16 T256 20.2 -> 19.7, B16 T64 5.29 -> 5.16. At 32 steps (B8-B64) 16
-# was 2-3% slower, and the LSTM's forward moved within the noise (-4% to +4%
+# was 2-3% slower, and the LSTM's forward moved within the noise (-5% to +4%
 # at T128-T256), so both keep 8 there. The price: the GRU's forward compiles
 # in 1.3-1.5x the time (0.31 -> 0.46 s at B16 T64; benchmarks/NOTES.md,
 # session 40).
