@@ -134,7 +134,8 @@ def test_second_order_numerically():
 
 def test_chunk_steps():
   """From 32 steps on, a divisor in [4, 16], the nearest to the target (8 for the
-  forward alone, 4 for the derivative's forward; the smaller on a tie); else 1."""
+  forward alone, 16 for a GRU's from 64 steps on, 4 for the derivative's forward;
+  the smaller on a tie); else 1."""
   expected = {1: 1, 4: 1, 12: 1, 24: 1, 31: 1, 32: 8, 36: 9, 50: 10, 60: 6, 100: 10,
               101: 1, 256: 8}
   assert {t: _xla.chunk_steps(t) for t in expected} == expected
