@@ -169,7 +169,9 @@ def input_bias(mode, bW, bR):
 
 def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul):
   """One step of every direction, given its input pre-activations `xps[d]`
-  (with the input bias). `cs` is None without a cell state.
+  (with the input bias). `cs` is None without a cell state. `valid_t`: None,
+  the step's `[B]` mask for every direction, or a tuple of each direction's
+  (`_xla` cuts a batch into lanes that run as directions of their own).
 
   Returns `(hs, cs, outs, res)`, tuples over directions.
   """
@@ -180,7 +182,8 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul):
     if gru:
       rec = rec + lift(bR[d], rec.ndim)
     h, c, r = cell(xps[d], rec, hs[d], cs[d] if lstm else None)
-    h, c, out = mask(valid_t, h, c, hs[d], cs[d] if lstm else None)
+    valid_d = valid_t[d] if isinstance(valid_t, tuple) else valid_t
+    h, c, out = mask(valid_d, h, c, hs[d], cs[d] if lstm else None)
     new_hs.append(h)
     new_cs.append(c)
     outs.append(out)
@@ -193,7 +196,8 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul)
 
   `xs`, `h0`, `c0`, `R`, `bW`, `bR` (and `W`, unless None: skip_input) are
   tuples over directions, inputs in step order; `c0` is None without a cell
-  state. `cell(xp, rec, h, c)` returns `(h', c', res)`, `xp` holding the input
+  state; `valid` None, a `[T, B]` mask or a tuple of them (`recurrent_step`).
+  `cell(xp, rec, h, c)` returns `(h', c', res)`, `xp` holding the input
   pre-activations with the input bias, `rec` the recurrent ones (with the
   recurrent bias for GRU only), `res` anything to stack over time.
 

@@ -262,7 +262,7 @@ def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk):
     steps = []
     for k in range(chunk):
       hs, cs, outs, res = _reference.recurrent_step(
-          mode, cell, R, bR, *carry, [xp[k] for xp in xps], None if valid_c is None else valid_c[k],
+          mode, cell, R, bR, *carry, [xp[k] for xp in xps], jax.tree.map(lambda v: v[k], valid_c),
           matmul)
       carry = (hs, cs)
       steps.append((outs, res))
@@ -271,7 +271,7 @@ def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk):
   split = lambda a: a.reshape((T // chunk, chunk) + a.shape[1:])
   carry0 = (tuple(h0), None if c0 is None else tuple(c0))
   (hT, cT), (ys, res) = jax.lax.scan(
-      chunk_step, carry0, (tuple(split(x) for x in xs), None if valid is None else split(valid)))
+      chunk_step, carry0, (tuple(split(x) for x in xs), jax.tree.map(split, valid)))
   merge = lambda a: a.reshape((T,) + a.shape[2:])
   return jax.tree.map(merge, ys), hT, cT, jax.tree.map(merge, res)
 
@@ -354,57 +354,68 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients):
 # 31.0 on one (PyTorch: 14.2 and 23.7). XLA runs independent operations of one
 # program side by side, though, as it does a bidirectional layer's two
 # directions: a unidirectional layer's forward alone cuts its batch into
-# `LANES` lanes, each a recurrence of its own in the same loop. Forward,
-# float32 unless said, interleaved in one process, ms, one lane -> two: LSTM
-# B16 T256 I128 H256 30.7 -> 25.0, bfloat16 20.5 -> 14.4; GRU 22.3 -> 15.4,
-# bfloat16 13.6 -> 13.4; B8 T256: LSTM 23.6 -> 17.8, GRU 14.1 -> 11.3; B64
-# T32: LSTM 10.2 -> 9.8, GRU 9.7 -> 6.9; B32 T100 I256 H256, 3 layers: LSTM
-# 63.9 -> 57.6, GRU 59.5 -> 42.9; LSTM B256 T32 38.0 -> 34.7. Not where the
-# recurrent matrix is small or large (its bytes outside `LANE_WEIGHT_BYTES`):
-# LSTM B16 T256 H128 12.0 -> 12.5, B16 T32 I64 H128 1.44 -> 1.50; H512 (4 MiB,
-# more than a core's 2 MiB L2 cache) B16 T128 48.6 -> 56.5, GRU 35.0 -> 38.2,
-# LSTM B64 T64 72.8 -> 76.2; GRU H1024 152.7 -> 154.9. Nor for a bidirectional
-# layer (two recurrences already), under `seq_lengths` (one mask for the
-# batch), on a device other than a CPU (a GPU runs one operation at a time),
-# or with several devices (a batch sharded over them would be cut across
-# devices). The derivative's forward and tangent run in one lane: in lanes,
+# `LANES` lanes, each a recurrence of its own in the same loop, with its part
+# of the `seq_lengths` mask. Forward, float32, interleaved in one process, ms,
+# one lane -> two (benchmarks/NOTES.md, session 41):
+#   LSTM B16 T256 I128 H256 28.2 -> 23.1, with seq_lengths 31.9 -> 26.6;
+#   GRU, same shape, 20.6 -> 14.0, with seq_lengths 22.0 -> 14.3;
+#   B64 T32 I128 H256: LSTM 9.27 -> 8.82, GRU 8.54 -> 6.12;
+#   B32 T100 I256 H256, 3 layers: LSTM 60.5 -> 51.3, GRU 55.0 -> 38.5;
+#   B8 T256 I128 H256: LSTM 23.6 -> 17.8, GRU 14.1 -> 11.3; GRU B8 T32 2.24 -> 1.59;
+#   LSTM B256 T32 I128 H256 38.0 -> 34.7; RNN-tanh B16 T256 I128 H512 24.4 -> 21.3.
+# Not where the recurrent matrix is small or large (its bytes outside
+# `LANE_WEIGHT_BYTES`): LSTM B16 T256 H128 12.0 -> 12.5, B16 T32 I64 H128 1.44
+# -> 1.50; H512 (4 MiB, more than a core's 2 MiB L2 cache) B16 T128 48.6 ->
+# 56.5, GRU 35.0 -> 38.2, LSTM B64 T64 72.8 -> 76.2; GRU H1024 152.7 -> 154.9.
+# Nor for a bidirectional layer (two recurrences already: 2 layers B32 T64
+# I256 H256 in four lanes, LSTM 59.2 -> 67.8, GRU 42.3 -> 46.5), nor for
+# bfloat16 operands (`operand_dtype`), whose products are quick on that
+# machine's AMX: B16 T256 LSTM 19.2 -> 12.8, but B32 T100 I256 H256 31.6 ->
+# 39.3 with 3 layers and 10.8 -> 13.3 with 1, GRU B64 T32 5.24 -> 6.22. Nor on
+# a device other than a CPU (a GPU runs one operation at a time), or with
+# several devices (a batch sharded over them would be cut across devices).
+# The derivative's forward and tangent run in one lane: in lanes,
 # forward+backward went both ways (LSTM and GRU B16 T256 105 -> 92 and 94 ->
 # 81, but GRU B64 T32 28 -> 29, GRU 3 layers 201 -> 213, the bfloat16 GRU 59
-# -> 71; benchmarks/NOTES.md, session 41). On one CPU (`taskset -c 0`), two
-# lanes ran as fast as one.
+# -> 71). On one CPU (`taskset -c 0`), two lanes ran as fast as one. The
+# forward compiles in up to 1.3x the time (3 layers, LSTM 0.52 -> 0.66 s).
 LANES = 2
 LANE_MIN_BATCH = 8
 LANE_WEIGHT_BYTES = (256 * 1024, 1024 * 1024)  # (above, at most): one direction's R
+LANE_DTYPES = frozenset({np.dtype(np.float32)})  # of the products (float16 models': float32)
 
 
-def forward_lanes(operands, xs, valid, R) -> int:
+def forward_lanes(operands, xs, R) -> int:
   """How many lanes the forward alone over `xs` (one layer's inputs, a tuple
-  over directions) cuts its batch into: `LANES` where the module's comment
-  above says, else 1. `operands`: `operand_dtype` of the model."""
+  over directions) cuts its batch into: `LANES` where the comment above says,
+  else 1. `operands`: `operand_dtype` of the model; `R` its recurrent weights
+  in the computation dtype."""
   steps, batch = xs[0].shape[:2]
-  if len(xs) != 1 or valid is not None:
+  if len(xs) != 1 or np.dtype(operands or R[0].dtype) not in LANE_DTYPES:
     return 1
   if not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
     return 1  # symbolic (a shape-polymorphic `jax.export`)
   if steps < MIN_CHUNKED_STEPS or batch < LANE_MIN_BATCH:
     return 1
   low, high = LANE_WEIGHT_BYTES
-  if not low < R[0].size * np.dtype(operands or R[0].dtype).itemsize <= high:
+  if not low < R[0].size * R[0].dtype.itemsize <= high:
     return 1
   if jax.default_backend() != "cpu" or jax.device_count() != 1:
     return 1
   return LANES
 
 
-def _forward_in_lanes(mode, operands, lanes, xs, h0, c0, W, R, bW, bR):
-  """`_forward` without coefficients or `seq_lengths`, each direction's batch
-  cut into `lanes` parts that run as directions of their own, joined after."""
+def _forward_in_lanes(mode, operands, lanes, xs, valid, h0, c0, W, R, bW, bR):
+  """`_forward` without coefficients, each direction's batch cut into `lanes`
+  parts that run as directions of their own (each with its part of the
+  `valid` mask), joined after."""
   B = xs[0].shape[1]
   cuts = [B * k // lanes for k in range(1, lanes)]
   cut = lambda t, axis: None if t is None else tuple(
       part for a in t for part in jnp.split(a, cuts, axis))
   each = lambda t: None if t is None else tuple(a for a in t for _ in range(lanes))
-  ys, hT, cT, _ = _forward(mode, operands, cut(xs, 1), None, cut(h0, 0), cut(c0, 0), each(W),
+  valid = None if valid is None else cut((valid,) * len(xs), 1)
+  ys, hT, cT, _ = _forward(mode, operands, cut(xs, 1), valid, cut(h0, 0), cut(c0, 0), each(W),
                            each(R), each(bW), each(bR), coefficients=False)
   join = lambda t, axis: None if t is None else tuple(
       jnp.concatenate(t[d * lanes:(d + 1) * lanes], axis) for d in range(len(xs)))
@@ -413,9 +424,9 @@ def _forward_in_lanes(mode, operands, lanes, xs, h0, c0, W, R, bW, bR):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _layer(mode, operands, xs, valid, h0, c0, W, R, bW, bR):
-  lanes = forward_lanes(operands, xs, valid, R)
+  lanes = forward_lanes(operands, xs, R)
   if lanes > 1:
-    return _forward_in_lanes(mode, operands, lanes, xs, h0, c0, W, R, bW, bR)
+    return _forward_in_lanes(mode, operands, lanes, xs, valid, h0, c0, W, R, bW, bR)
   ys, hT, cT, _ = _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients=False)
   return ys, hT, cT
 

@@ -185,37 +185,33 @@ def _scan_carries(jaxpr) -> list[int]:
           if eqn.primitive.name == "scan"]
 
 
-def _lanes(mode, B, T, H, *, dtype=jnp.float32, directions=1, lengths=False):
+def _lanes(mode, B, T, H, *, dtype=jnp.float32, directions=1):
   """`_xla.forward_lanes` for a layer of `mode` with these sizes, as `_xla._layer`
-  sees it: the weights in the computation dtype (float32 for bfloat16 models)."""
+  sees it: the weights in the computation dtype (float32 for half-precision models)."""
   g = _xla._spec.NUM_GATES[mode]
   S = jax.ShapeDtypeStruct
-  compute = jnp.float32 if dtype == jnp.bfloat16 else dtype
+  compute = _reference._compute_dtype(np.dtype(dtype))
   xs = (S((T, B, 16), compute),) * directions
   R = (S((H, g * H), compute),) * directions
-  valid = S((T, B), jnp.bool_) if lengths else None
-  return _xla.forward_lanes(_xla.operand_dtype(dtype), xs, valid, R)
+  return _xla.forward_lanes(_xla.operand_dtype(dtype), xs, R)
 
 
 def test_forward_lanes_rule(monkeypatch):
   """Two lanes where the one direction's recurrent matrix has more than 256 KiB
-  and at most 1 MiB in its matmul dtype, from 8 sequences and 32 steps, on a
-  single CPU device, without `seq_lengths`; else one."""
+  and at most 1 MiB, multiplied in float32 (float32 and float16 models), from 8
+  sequences and 32 steps, on a single CPU device; else one."""
   two = [("lstm", 16, 256, 256), ("gru", 16, 256, 256), ("rnn_tanh", 16, 256, 512),
          ("rnn_relu", 16, 256, 512), ("lstm", 8, 32, 256), ("lstm", 256, 32, 256),
-         ("gru", 8, 64, 192)]
+         ("gru", 8, 64, 192), ("lstm", 9, 64, 160)]
   one = [("lstm", 16, 256, 128), ("lstm", 16, 256, 512), ("gru", 16, 256, 128),
          ("rnn_tanh", 16, 256, 256), ("gru", 16, 256, 1024), ("lstm", 4, 256, 256),
          ("lstm", 7, 256, 256), ("lstm", 16, 31, 256), ("lstm", 16, 1, 256)]
   assert [_lanes(*case) for case in two] == [2] * len(two)
   assert [_lanes(*case) for case in one] == [1] * len(one)
-  # Bytes in the matmul dtype: a bfloat16 LSTM's H256 has 512 KiB, its H512 2 MiB;
-  # a float64 one's H256 2 MiB.
-  assert _lanes("lstm", 16, 256, 256, dtype=jnp.bfloat16) == 2
-  assert _lanes("lstm", 16, 256, 512, dtype=jnp.bfloat16) == 1
-  assert _lanes("lstm", 16, 256, 256, dtype=jnp.float64) == 1
+  assert _lanes("lstm", 16, 256, 256, dtype=jnp.float16) == 2
+  assert _lanes("lstm", 16, 256, 256, dtype=jnp.bfloat16) == 1  # bfloat16 products
+  assert _lanes("rnn_tanh", 16, 256, 256, dtype=jnp.float64) == 1  # 512 KiB, float64
   assert _lanes("lstm", 16, 256, 256, directions=2) == 1
-  assert _lanes("lstm", 16, 256, 256, lengths=True) == 1
   symbolic_batch, = jax.export.symbolic_shape("b")
   assert _lanes("lstm", symbolic_batch, 256, 256) == 1
   with monkeypatch.context() as m:
@@ -228,14 +224,17 @@ def test_forward_lanes_rule(monkeypatch):
 
 def test_forward_lanes_in_the_program():
   """A model the rule gives two lanes carries each lane's states in its forward
-  loop (LSTM H256: h and c of two lanes); its derivative's loops carry one
-  lane's; a bidirectional model's forward carries one lane per direction."""
-  for direction, carries in (("unidirectional", 4), ("bidirectional", 4)):
+  loop (LSTM H256: h and c of two lanes), with `seq_lengths` too; its
+  derivative's loops carry one lane's; a bidirectional model's forward carries
+  one lane per direction."""
+  for direction, lengths in (("unidirectional", None),
+                             ("unidirectional", jnp.array([32] * 7 + [5], jnp.int32)),
+                             ("bidirectional", None)):
     spec = jcr.CudnnLSTM(1, 256, 8, direction=direction)
     x, h, c = (jnp.asarray(a) for a in random_inputs(spec, 32, 8))
     params = spec.init_params(jax.random.key(0))
-    forward = lambda x: _xla.rnn(spec, x, h, c, params)[0]
-    assert _scan_carries(jax.make_jaxpr(forward)(x)) == [carries]
+    forward = lambda x: _xla.rnn(spec, x, h, c, params, seq_lengths=lengths)[0]
+    assert _scan_carries(jax.make_jaxpr(forward)(x)) == [4], direction
   spec = jcr.CudnnLSTM(1, 256, 8)
   x, h, c = (jnp.asarray(a) for a in random_inputs(spec, 32, 8))
   params = spec.init_params(jax.random.key(0))
@@ -245,30 +244,36 @@ def test_forward_lanes_in_the_program():
 
 @pytest.fixture
 def lanes_everywhere(monkeypatch):
-  """The forward alone in two lanes at any batch of two or more and any weight size."""
+  """The forward alone in two lanes at any batch of two or more, any weight
+  size, and float64 (for the tests' tolerance)."""
   monkeypatch.setattr(_xla, "LANE_MIN_BATCH", 2)
   monkeypatch.setattr(_xla, "LANE_WEIGHT_BYTES", (0, np.inf))
+  monkeypatch.setattr(_xla, "LANE_DTYPES", frozenset({np.dtype(np.float64)}))
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 @pytest.mark.parametrize("B", [3, 4], ids=["uneven", "even"])
 @pytest.mark.parametrize("input_mode", ["linear_input", "skip_input"])
-def test_forward_in_lanes_matches_reference(cls, B, input_mode, lanes_everywhere):
-  """Two layers' forward in two lanes (of 1 and 2 sequences, or 2 and 2): outputs
-  and final states as the reference's; the gradient (one lane) and `vmap` too."""
+@pytest.mark.parametrize("with_lengths", [False, True], ids=["full", "lengths"])
+def test_forward_in_lanes_matches_reference(cls, B, input_mode, with_lengths, lanes_everywhere):
+  """Two layers' forward in two lanes (of 1 and 2 sequences, or 2 and 2), with
+  and without `seq_lengths`: outputs and final states as the reference's; the
+  gradient (one lane) and `vmap` too."""
   spec, (x, h, c, params) = _setup(cls, 2, "unidirectional", input_mode, T=32, B=B)
   x, h, c = (None if a is None else jnp.asarray(a) for a in (x, h, c))
-  forward = jax.jit(lambda x, h, c: _xla.rnn(spec, x, h, c, params))
+  lengths = jnp.array([32, 7, 0, 19][:B], jnp.int32) if with_lengths else None
+  run = lambda rnn, x: rnn(spec, x, h, c, params, seq_lengths=lengths)
+  forward = jax.jit(lambda x: run(_xla.rnn, x))
   per_lane = 2 if spec.has_cell_state else 1
-  assert _scan_carries(jax.make_jaxpr(forward)(x, h, c)) == [2 * per_lane] * 2
-  for a, b in zip(forward(x, h, c), _reference.rnn(spec, x, h, c, params)):
+  assert _scan_carries(jax.make_jaxpr(forward)(x)) == [2 * per_lane] * 2
+  for a, b in zip(forward(x), run(_reference.rnn, x)):
     if b is not None:
       _assert_close(a, b)
-  loss = lambda rnn: lambda x: jnp.sum(jnp.sin(rnn(spec, x, h, c, params)[0]))
+  loss = lambda rnn: lambda x: jnp.sum(jnp.sin(run(rnn, x)[0]))
   _assert_close(jax.grad(loss(_xla.rnn))(x), jax.grad(loss(_reference.rnn))(x))
   xs = jnp.stack([x, 2 * x])
-  vmapped = jax.vmap(lambda x: _xla.rnn(spec, x, h, c, params)[0])(xs)
-  _assert_close(vmapped, jnp.stack([_reference.rnn(spec, a, h, c, params)[0] for a in xs]))
+  vmapped = jax.vmap(lambda x: run(_xla.rnn, x)[0])(xs)
+  _assert_close(vmapped, jnp.stack([run(_reference.rnn, a)[0] for a in xs]))
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
