@@ -75,6 +75,12 @@ T256 I128 H256 94 -> 69, GRU same shape 66 -> 49, LSTM B32 T100 I256 H256,
 float16 operands were no faster on that machine than float32 ones, so float16
 models multiply in float32.
 
+On a single CPU device, a unidirectional layer's forward alone cuts its batch
+into two lanes that run as directions of their own, side by side, where XLA:CPU
+splitting each small per-step product over its threads gained little
+(`forward_lanes`; LSTM B16 T256 I128 H256 float32 28.2 -> 23.1 ms, GRU 20.6 ->
+14.0; benchmarks/NOTES.md, session 41).
+
 How the forward reads the weights. `_reference._layer_params` takes them from
 the opaque buffer's blocks (`_reference.param_blocks`) and transposes them
 (`W [in, g*H]`, `R [H, g*H]`), which XLA:CPU does at about 1 ns an element (an
