@@ -397,7 +397,8 @@ def forward_lanes(operands, xs, R) -> int:
   else 1. `operands`: `operand_dtype` of the model; `R` its recurrent weights
   in the computation dtype."""
   steps, batch = xs[0].shape[:2]
-  if len(xs) != 1 or np.dtype(operands or R[0].dtype) not in LANE_DTYPES:
+  products = R[0].dtype if operands is None else operands
+  if len(xs) != 1 or np.dtype(products) not in LANE_DTYPES:
     return 1
   if not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
     return 1  # symbolic (a shape-polymorphic `jax.export`)
