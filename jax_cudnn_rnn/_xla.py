@@ -40,8 +40,8 @@ same with 2 bidirectional layers 240 -> 182 ms, B64 T100 I128 55.0 -> 53.4 ms.
 Compiling takes about twice as long (the unrolled steps), so sequences shorter
 than `MIN_CHUNKED_STEPS` (32), and numbers of steps with no divisor in [4, 16],
 run step by step, as the reference does. The chunks are near 8 steps for the
-forward alone (`INFERENCE_CHUNK`; a GRU's near 16 from 64 steps on,
-`inference_chunk`) and near 4 for the forward of the derivative
+forward alone (`INFERENCE_CHUNK`; a GRU's, and an LSTM's in lanes, near 16
+from 64 steps on, `inference_chunk`) and near 4 for the forward of the derivative
 (`DERIVATIVE_CHUNK`, training): there the forward is a smaller part of the
 work, and chunks of 4 measured as fast as chunks of 8-10 in forward+backward
 (ms: LSTM B32 T100 I256 H256 2 bidirectional layers 307 vs 305, step by step
@@ -216,28 +216,41 @@ MIN_CHUNKED_STEPS = 32
 # for the same speed (the module docstring).
 INFERENCE_CHUNK = 8
 DERIVATIVE_CHUNK = 4
-# A GRU's forward alone over `LONG_GRU_STEPS` steps or more seeks chunks of
-# `LONG_GRU_CHUNK`. On a 2-core Xeon (AMX) the GRU's chunk-8 forward ran at
-# one of two speeds, by process (B16 T256 I128 H256, float32: 23-27 ms in
-# most processes, 20.2 ms in one; on one CPU, 20.0), its loop waiting more
-# on XLA:CPU's second thread when slow; chunks of 16 ran at the faster speed in
-# every process (18.2-22.3 ms; Flax's scan 18.8-20.6). Forward, ms, chunks of
-# 8 -> 16 interleaved in one process: where 8 was slow, B16 T256 24.4 -> 20.4,
-# bfloat16 13.4 -> 12.3, B16 T128 12.5 -> 10.2, B16 T64 6.35 -> 5.24, B64 T128
-# 35.0 -> 34.4, 2 bidirectional layers B16 T256 71.1 -> 67.1; where 8 was
-# fast, B16 T256 20.2 -> 19.7, B16 T64 5.29 -> 5.16. At 32 steps (B8-B64) 16
-# was 2-3% slower, and the LSTM's forward moved within the noise (-5% to +4%
-# at T128-T256), so both keep 8 there. The price: the GRU's forward compiles
-# in 1.3-1.5x the time (0.31 -> 0.46 s at B16 T64; benchmarks/NOTES.md,
-# session 40).
-LONG_GRU_STEPS = 64
-LONG_GRU_CHUNK = 16
+# A GRU's forward alone over `LONG_STEPS` steps or more seeks chunks of
+# `LONG_CHUNK`, and so does an LSTM's in lanes (`forward_lanes`). On a 2-core
+# Xeon (AMX) the GRU's chunk-8 forward ran at one of two speeds, by process
+# (B16 T256 I128 H256, float32: 23-27 ms in most processes, 20.2 ms in one; on
+# one CPU, 20.0), its loop waiting more on XLA:CPU's second thread when slow;
+# chunks of 16 ran at the faster speed in every process (18.2-22.3 ms; Flax's
+# scan 18.8-20.6). Forward, ms, chunks of 8 -> 16 interleaved in one process:
+# where 8 was slow, B16 T256 24.4 -> 20.4, bfloat16 13.4 -> 12.3, B16 T128 12.5
+# -> 10.2, B16 T64 6.35 -> 5.24, B64 T128 35.0 -> 34.4, 2 bidirectional layers
+# B16 T256 71.1 -> 67.1; where 8 was fast, B16 T256 20.2 -> 19.7, B16 T64 5.29
+# -> 5.16. At 32 steps (B8-B64) 16 was 2-3% slower, so both keep 8 there. The
+# price: the GRU's forward compiles in 1.3-1.5x the time (0.31 -> 0.46 s at
+# B16 T64; benchmarks/NOTES.md, session 40). In two lanes, the GRU's forward,
+# chunks of 16 -> 8 (ms, two runs where two figures): one layer B16 T64-T256
+# within 2%, B64 T128 31.8 / 27.2 -> 26.6 / 26.0, but three layers B32 T256 I256
+# 108.6 / 112.1 -> 114.9 / 117.9 and B32 T128 52.4 -> 53.9; so it keeps 16 there.
+# The LSTM's forward in one lane moved within the noise (-5% to +4% at
+# T128-T256), so it keeps 8; in two lanes, float32 H256, ms, chunks of 8 -> 16
+# (two runs where two figures): B8 T256 16.6 / 15.9 -> 13.5 / 13.5, B8 T128 8.71
+# -> 7.60, B16 T256 24.3 / 25.0 -> 23.0 / 23.6, B16 T64 6.51 -> 5.97, 3 layers
+# B32 T128 I256 71.2 -> 70.1, H192 B8 T256 9.35 -> 9.17, B64 T128 36.1 -> 37.3;
+# its forward compiles in 1.5-1.6x the time (0.42 -> 0.65 s at B16 T256;
+# benchmarks/NOTES.md, session 42).
+LONG_STEPS = 64
+LONG_CHUNK = 16
 
 
-def inference_chunk(mode: str, steps) -> int:
-  """The chunk length the forward alone seeks (`chunk_steps`'s `target`)."""
-  long = isinstance(steps, (int, np.integer)) and steps >= LONG_GRU_STEPS
-  return LONG_GRU_CHUNK if mode == "gru" and long else INFERENCE_CHUNK
+def inference_chunk(mode: str, steps, lanes: int = 1) -> int:
+  """The chunk length the forward alone seeks (`chunk_steps`'s `target`), its
+  batch in `lanes` lanes (`forward_lanes`): `LONG_CHUNK` from `LONG_STEPS`
+  steps on for a GRU, and for an LSTM in lanes; else `INFERENCE_CHUNK`."""
+  long = isinstance(steps, (int, np.integer)) and steps >= LONG_STEPS
+  if long and (mode == "gru" or (mode == "lstm" and lanes > 1)):
+    return LONG_CHUNK
+  return INFERENCE_CHUNK
 
 
 def chunk_steps(steps: int, target: int = INFERENCE_CHUNK) -> int:
@@ -327,11 +340,12 @@ def _opaque_matmul(operands, a: jax.Array, w: jax.Array) -> jax.Array:
   return jax.lax.optimization_barrier(product).T.reshape(a.shape[:-1] + (w.shape[0],))
 
 
-def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients):
+def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lanes=1):
   """The forward recurrence over this file's cells (`_reference.forward_scan`
   or, where the number of steps allows, `_chunked_scan`); `res` holds the
   coefficients stacked over time when `coefficients`, else empty tuples.
-  `operands`: `operand_dtype` of the model."""
+  `operands`: `operand_dtype` of the model; `lanes`: how many lanes of one
+  batch `xs` holds (`_forward_in_lanes`), for the chunk length."""
   cell = functools.partial(_CELLS[mode], coefficients=coefficients)
   _, matmul, round_ = _products(operands)
   W = None if W is None else tuple(round_(w) for w in W)
@@ -346,7 +360,8 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients):
   # (and transposes) out of a loop around this call (the module docstring).
   W, R, bW, bR = jax.lax.optimization_barrier((W, R, bW, bR))
   steps = xs[0].shape[0]
-  chunk = chunk_steps(steps, DERIVATIVE_CHUNK if coefficients else inference_chunk(mode, steps))
+  target = DERIVATIVE_CHUNK if coefficients else inference_chunk(mode, steps, lanes)
+  chunk = chunk_steps(steps, target)
   if chunk == 1:
     return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul)
   return _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk)
@@ -423,7 +438,7 @@ def _forward_in_lanes(mode, operands, lanes, xs, valid, h0, c0, W, R, bW, bR):
   each = lambda t: None if t is None else tuple(a for a in t for _ in range(lanes))
   valid = None if valid is None else cut((valid,) * len(xs), 1)
   ys, hT, cT, _ = _forward(mode, operands, cut(xs, 1), valid, cut(h0, 0), cut(c0, 0), each(W),
-                           each(R), each(bW), each(bR), coefficients=False)
+                           each(R), each(bW), each(bR), coefficients=False, lanes=lanes)
   join = lambda t, axis: None if t is None else tuple(
       jnp.concatenate(t[d * lanes:(d + 1) * lanes], axis) for d in range(len(xs)))
   return join(ys, 1), join(hT, 0), join(cT, 0)
