@@ -237,7 +237,7 @@ DERIVATIVE_CHUNK = 4
 # (two runs where two figures): B8 T256 16.6 / 15.9 -> 13.5 / 13.5, B8 T128 8.71
 # -> 7.60, B16 T256 24.3 / 25.0 -> 23.0 / 23.6, B16 T64 6.51 -> 5.97, 3 layers
 # B32 T128 I256 71.2 -> 70.1, H192 B8 T256 9.35 -> 9.17, B64 T128 36.1 -> 37.3;
-# its forward compiles in 1.5-1.6x the time (0.42 -> 0.65 s at B16 T256;
+# its forward compiles in 1.5-1.7x the time (0.41 -> 0.67 s at B16 T256;
 # benchmarks/NOTES.md, session 42).
 LONG_STEPS = 64
 LONG_CHUNK = 16
