@@ -44,8 +44,6 @@ import jax.numpy as jnp
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import run as grid_run  # noqa: E402  (benchmarks/run.py: timing, versions, CPU description)
 
-import jax_cudnn_rnn as jcr  # noqa: E402
-
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
@@ -59,9 +57,11 @@ class Shape:
   def name(self) -> str:
     return f"{self.mode} B{self.batch} I{self.input_size} H{self.hidden} L{self.layers}"
 
+  def __post_init__(self):
+    grid_run.spec_class(self.mode)
+
   def spec(self):
-    cls = jcr.CudnnLSTM if self.mode == "lstm" else jcr.CudnnGRU
-    return cls(self.layers, self.hidden, self.input_size)
+    return grid_run.spec_class(self.mode)(self.layers, self.hidden, self.input_size)
 
 
 def shapes(quick: bool) -> list[Shape]:

@@ -52,6 +52,19 @@ import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _cudnn
 
 
+# The cells the benchmarks time, and our spec class for each: the peers (Flax's
+# cells, PyTorch's modules) are built for these two.
+CELLS = {"lstm": jcr.CudnnLSTM, "gru": jcr.CudnnGRU}
+
+
+def spec_class(mode: str):
+  """Our spec class for a benchmark shape's `mode`; a `ValueError` for any other
+  (before, any mode but "lstm" silently timed a GRU)."""
+  if mode not in CELLS:
+    raise ValueError(f"mode: expected one of {sorted(CELLS)}, got {mode!r}")
+  return CELLS[mode]
+
+
 @dataclasses.dataclass(frozen=True)
 class Shape:
   mode: str  # "lstm" | "gru"
@@ -69,11 +82,14 @@ class Shape:
     return (f"{self.mode} B{self.batch} T{self.seq_len} I{self.input_size} H{self.hidden} "
             f"L{self.layers} {d} {self.dtype}")
 
+  def __post_init__(self):
+    spec_class(self.mode)
+
   def spec(self):
-    cls = jcr.CudnnLSTM if self.mode == "lstm" else jcr.CudnnGRU
-    return cls(self.layers, self.hidden, self.input_size,
-               direction="bidirectional" if self.bidirectional else "unidirectional",
-               dtype=jnp.dtype(self.dtype))
+    return spec_class(self.mode)(
+        self.layers, self.hidden, self.input_size,
+        direction="bidirectional" if self.bidirectional else "unidirectional",
+        dtype=jnp.dtype(self.dtype))
 
 
 def grid(quick: bool, gpu: bool) -> list[Shape]:
@@ -447,6 +463,11 @@ def markdown(results: list[dict], device: str) -> str:
 
 
 def plot(results: list[dict], path: pathlib.Path, device: str) -> bool:
+  """A bar chart of `results`' medians at `path`; False, and no file, where there
+  is nothing to plot (a budget that ran out before the first shape) or no
+  matplotlib."""
+  if not results:
+    return False
   try:
     import matplotlib
     matplotlib.use("Agg")

@@ -20,6 +20,8 @@ import pytest
 from handler_model import HandlerModel
 from helpers import has_torch, load_benchmark
 
+import jax_cudnn_rnn as jcr
+
 ROOT = pathlib.Path(__file__).parent.parent
 TINY = dict(mode="lstm", batch=2, seq_len=3, input_size=4, hidden=5, layers=2,
             bidirectional=True, dtype="float32")
@@ -210,6 +212,22 @@ def test_each_shape_is_written_as_it_finishes_and_a_budget_stops_new_shapes(tmp_
   assert run.main(args + ["--budget-s", "0"]) == 0
   record = json.loads(next(tmp_path.glob("m-*-quick.json")).read_text())
   assert record["results"] == [] and record["cut_short"] == "--budget-s 0: 2 shapes not run"
+  # Nothing to plot: no figure (with matplotlib installed, this divided by zero).
+  assert run.plot([], tmp_path / "empty.png", "cpu") is False
+  assert not (tmp_path / "empty.png").exists()
+
+
+def test_a_shape_names_a_cell_the_benchmarks_time():
+  # Any mode but "lstm" once timed a GRU (ours and the peers alike), so an RNN-tanh
+  # shape measured a GRU under the RNN-tanh's name.
+  run, decode = load_benchmark("run"), load_benchmark("decode")
+  assert type(run.Shape(**TINY).spec()) is jcr.CudnnLSTM
+  assert type(run.Shape(**dict(TINY, mode="gru")).spec()) is jcr.CudnnGRU
+  assert type(decode.Shape("gru", 1, 8, 16, 1).spec()) is jcr.CudnnGRU
+  for make in (lambda: run.Shape(**dict(TINY, mode="rnn_tanh")),
+               lambda: decode.Shape("rnn_tanh", 1, 8, 16, 1)):
+    with pytest.raises(ValueError, match=r"mode: expected one of \['gru', 'lstm'\], got 'rnn_tanh'"):
+      make()
 
 
 def test_a_shape_where_ours_failed_shows_no_other_figure_as_ours():
