@@ -134,8 +134,8 @@ def test_second_order_numerically():
 
 def test_chunk_steps():
   """From 32 steps on, a divisor in [4, 16], the nearest to the target (8 for the
-  forward alone, 16 from 64 steps on for a GRU's and an LSTM's in lanes, 4 for
-  the derivative's forward; the smaller on a tie); else 1."""
+  forward alone, 16 from 64 steps on for a GRU's and at any length for the other
+  cells' in lanes, 4 for the derivative's forward; the smaller on a tie); else 1."""
   expected = {1: 1, 4: 1, 12: 1, 24: 1, 31: 1, 32: 8, 36: 9, 50: 10, 60: 6, 100: 10,
               101: 1, 256: 8}
   assert {t: _xla.chunk_steps(t) for t in expected} == expected
@@ -145,9 +145,12 @@ def test_chunk_steps():
   expected = {32: 8, 63: 7, 64: 16, 100: 10, 128: 16, 150: 15, 256: 16}
   assert {t: _xla.chunk_steps(t, _xla.inference_chunk("gru", t)) for t in expected} == expected
   assert {_xla.inference_chunk(m, 256) for m in ("lstm", "rnn_tanh", "rnn_relu")} == {8}
-  in_lanes = {m: _xla.inference_chunk(m, 256, lanes=2) for m in ("lstm", "gru", "rnn_tanh")}
-  assert in_lanes == {"lstm": 16, "gru": 16, "rnn_tanh": 8}
-  assert _xla.inference_chunk("lstm", 63, lanes=2) == 8
+  modes = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+  assert {m: _xla.inference_chunk(m, 256, lanes=2) for m in modes} == dict.fromkeys(modes, 16)
+  in_lanes = {m: _xla.inference_chunk(m, 32, lanes=2) for m in modes}
+  assert in_lanes == {"lstm": 16, "gru": 8, "rnn_tanh": 16, "rnn_relu": 16}
+  assert _xla.chunk_steps(63, _xla.inference_chunk("lstm", 63, lanes=2)) == 9
+  assert _xla.chunk_steps(63, _xla.inference_chunk("gru", 63, lanes=2)) == 7
 
 
 def _scan_lengths(jaxpr) -> list[int]:
@@ -279,15 +282,19 @@ def test_forward_in_lanes_matches_reference(cls, B, input_mode, with_lengths, la
   _assert_close(vmapped, jnp.stack([run(_reference.rnn, a)[0] for a in xs]))
 
 
-@pytest.mark.parametrize("cls,B,trips,carries", [
-    (jcr.CudnnLSTM, 3, 4, 4), (jcr.CudnnLSTM, 1, 8, 2), (jcr.CudnnGRU, 3, 4, 2)],
-    ids=["lstm_two_lanes", "lstm_one_lane", "gru_two_lanes"])
-def test_long_forward_in_lanes_runs_chunks_of_16(cls, B, trips, carries, lanes_everywhere):
-  """Over 64 steps, an LSTM's forward alone in two lanes seeks chunks of 16 (4
-  loop trips, each carrying two lanes' h and c), in one lane chunks of 8 (8
-  trips); a GRU's seeks 16 either way (`_xla.inference_chunk`). Outputs and
-  final states as the reference's."""
-  spec, (x, h, c, params) = _setup(cls, 1, "unidirectional", "linear_input", T=64, B=B)
+@pytest.mark.parametrize("cls,T,B,trips,carries", [
+    (jcr.CudnnLSTM, 64, 3, 4, 4), (jcr.CudnnLSTM, 64, 1, 8, 2), (jcr.CudnnGRU, 64, 3, 4, 2),
+    (jcr.CudnnLSTM, 32, 3, 2, 4), (jcr.CudnnRNNRelu, 48, 3, 3, 2), (jcr.CudnnRNNTanh, 32, 1, 4, 1),
+    (jcr.CudnnGRU, 32, 3, 4, 2)],
+    ids=["lstm_two_lanes", "lstm_one_lane", "gru_two_lanes", "lstm_two_lanes_T32",
+         "relu_two_lanes_T48", "tanh_one_lane_T32", "gru_two_lanes_T32"])
+def test_forward_in_lanes_runs_chunks_of_16(cls, T, B, trips, carries, lanes_everywhere):
+  """A forward alone in two lanes seeks chunks of 16 steps (an LSTM's over 64
+  steps: 4 loop trips, each carrying two lanes' h and c; over 32, 2 trips; an
+  RNN-relu's over 48, 3), but a GRU's only from 64 steps on (8 below), and in
+  one lane only a GRU's (`_xla.inference_chunk`). Outputs and final states as
+  the reference's."""
+  spec, (x, h, c, params) = _setup(cls, 1, "unidirectional", "linear_input", T=T, B=B)
   forward = jax.jit(lambda x: _xla.rnn(spec, x, h, c, params))
   jaxpr = jax.make_jaxpr(forward)(x)
   assert (_scan_lengths(jaxpr), _scan_carries(jaxpr)) == ([trips], [carries])
