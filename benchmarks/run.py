@@ -59,7 +59,7 @@ CELLS = {"lstm": jcr.CudnnLSTM, "gru": jcr.CudnnGRU}
 
 def spec_class(mode: str):
   """Our spec class for a benchmark shape's `mode`; a `ValueError` for any other
-  (before, any mode but "lstm" silently timed a GRU)."""
+  (which the peers could not time either)."""
   if mode not in CELLS:
     raise ValueError(f"mode: expected one of {sorted(CELLS)}, got {mode!r}")
   return CELLS[mode]

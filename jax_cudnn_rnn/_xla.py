@@ -221,10 +221,9 @@ DERIVATIVE_CHUNK = 4
 # at any length. On a 2-core Xeon (AMX) the GRU's chunk-8 forward ran at one of
 # two speeds, by process (B16 T256 I128 H256, float32: 23-27 ms in most
 # processes, 20.2 ms in one; on one CPU, 20.0), its loop waiting more on XLA:CPU's
-# second thread when slow;
-# chunks of 16 ran at the faster speed in every process (18.2-22.3 ms; Flax's
-# scan 18.8-20.6). Forward, ms, chunks of 8 -> 16 interleaved in one process:
-# where 8 was slow, B16 T256 24.4 -> 20.4, bfloat16 13.4 -> 12.3, B16 T128 12.5
+# second thread when slow; chunks of 16 ran at the faster speed in every process
+# (18.2-22.3 ms; Flax's scan 18.8-20.6). Forward, ms, chunks of 8 -> 16
+# interleaved in one process: where 8 was slow, B16 T256 24.4 -> 20.4, bfloat16 13.4 -> 12.3, B16 T128 12.5
 # -> 10.2, B16 T64 6.35 -> 5.24, B64 T128 35.0 -> 34.4, 2 bidirectional layers
 # B16 T256 71.1 -> 67.1; where 8 was fast, B16 T256 20.2 -> 19.7, B16 T64 5.29
 # -> 5.16. At 32 steps (B8-B64) 16 was 2-3% slower, so both keep 8 there. The
