@@ -218,38 +218,39 @@ INFERENCE_CHUNK = 8
 DERIVATIVE_CHUNK = 4
 # A GRU's forward alone over `LONG_STEPS` steps or more seeks chunks of
 # `LONG_CHUNK`; in lanes (`forward_lanes`), so does every other cell's forward
-# at any length. On a 2-core Xeon (AMX) the GRU's chunk-8 forward ran at one of
-# two speeds, by process (B16 T256 I128 H256, float32: 23-27 ms in most
-# processes, 20.2 ms in one; on one CPU, 20.0), its loop waiting more on XLA:CPU's
-# second thread when slow; chunks of 16 ran at the faster speed in every process
-# (18.2-22.3 ms; Flax's scan 18.8-20.6). Forward, ms, chunks of 8 -> 16
-# interleaved in one process: where 8 was slow, B16 T256 24.4 -> 20.4, bfloat16 13.4 -> 12.3, B16 T128 12.5
-# -> 10.2, B16 T64 6.35 -> 5.24, B64 T128 35.0 -> 34.4, 2 bidirectional layers
-# B16 T256 71.1 -> 67.1; where 8 was fast, B16 T256 20.2 -> 19.7, B16 T64 5.29
-# -> 5.16. At 32 steps (B8-B64) 16 was 2-3% slower, so both keep 8 there. The
-# price: the GRU's forward compiles in 1.3-1.5x the time (0.31 -> 0.46 s at
-# B16 T64; benchmarks/NOTES.md, session 40). In two lanes, the GRU's forward,
-# chunks of 16 -> 8 (ms, two runs where two figures): one layer B16 T64-T256
-# within 2%, B64 T128 31.8 / 27.2 -> 26.6 / 26.0, but three layers B32 T256 I256
-# 108.6 / 112.1 -> 114.9 / 117.9 and B32 T128 52.4 -> 53.9; so it keeps 16 there
-# (and 8 below 64 steps: chunks of 16 at B16 T32 2.02 -> 2.20, B8-B32 T32-T48
-# within 3%; session 43).
+# at any length. On a 2-core Xeon (AMX) the GRU's chunk-8 forward ran at one
+# of two speeds, by process (B16 T256 I128 H256, float32: 23-27 ms in most
+# processes, 20.2 ms in one; on one CPU, 20.0), its loop waiting more on
+# XLA:CPU's second thread when slow; chunks of 16 ran at the faster speed in
+# every process (18.2-22.3 ms; Flax's scan 18.8-20.6). Forward, ms, chunks of
+# 8 -> 16 interleaved in one process: where 8 was slow, B16 T256 24.4 -> 20.4,
+# bfloat16 13.4 -> 12.3, B16 T128 12.5 -> 10.2, B16 T64 6.35 -> 5.24, B64 T128
+# 35.0 -> 34.4, 2 bidirectional layers B16 T256 71.1 -> 67.1; where 8 was
+# fast, B16 T256 20.2 -> 19.7, B16 T64 5.29 -> 5.16. At 32 steps (B8-B64) 16
+# was 2-3% slower, so both keep 8 there. The price: the GRU's forward compiles
+# in 1.3-1.5x the time (0.31 -> 0.46 s at B16 T64; benchmarks/NOTES.md,
+# session 40). In two lanes, the GRU's forward, chunks of 16 -> 8 (ms, two
+# runs where two figures): one layer B16 T64-T256 within 2%, B64 T128 31.8 /
+# 27.2 -> 26.6 / 26.0, but three layers B32 T256 I256 108.6 / 112.1 -> 114.9 /
+# 117.9 and B32 T128 52.4 -> 53.9; so it keeps 16 there (and 8 below 64 steps:
+# chunks of 16 at B16 T32 2.02 -> 2.20, B8-B32 T32-T48 within 3%; session 43).
 # The LSTM's forward in one lane moved within the noise (-5% to +4% at
 # T128-T256), so it keeps 8; in two lanes, float32 H256, ms, chunks of 8 -> 16
-# (two runs where two figures): B8 T256 16.6 / 15.9 -> 13.5 / 13.5, B8 T128 8.71
-# -> 7.60, B16 T256 24.3 / 25.0 -> 23.0 / 23.6, B16 T64 6.51 -> 5.97, 3 layers
-# B32 T128 I256 71.2 -> 70.1, H192 B8 T256 9.35 -> 9.17, B64 T128 36.1 -> 37.3
-# (session 42); below 64 steps, B16 T32 3.23 -> 2.92, B8 T48 3.16 -> 2.70, B64
-# T32 8.41 -> 8.29 (session 43). Its forward compiles in 1.5-1.7x the time (0.41
-# -> 0.67 s at B16 T256, 0.37 -> 0.61 s at B16 T32). RNN-tanh and RNN-relu in two
-# lanes, float32 I128 H512 unless said, ms, one lane / chunks of 8 / of 16
-# (session 43): tanh B16 T256 22.5 / 17.9 / 16.0, B8 T256 13.3 / 10.6 / 9.7, B16
-# T64 6.25 / 5.08 / 4.42, B16 T32 3.37 / 2.93 / 2.49, B64 T32 7.73 / 6.84 / 7.15,
-# B64 T128 I256 H384 27.2 / 22.0 / 21.0; relu B16 T256 22.0 / 25.7 / 18.1, B8 T256
-# 11.7 / 18.4 / 10.8, B16 T128 10.4 / 14.1 / 8.8, B16 T32 3.08 / 4.18 / 2.73, B8
-# T32 2.13 / 2.91 / 1.87, B64 T32 7.71 / 9.01 / 7.85, 3 layers B32 T128 I512
-# 74.0 / 82.3 / 73.3: in chunks of 8, two lanes of RNN-relu were slower than one.
-# Their forward compiles in 1.3-1.9x the time (relu B16 T32 0.25 -> 0.47 s).
+# (two runs where two figures): B8 T256 16.6 / 15.9 -> 13.5 / 13.5, B8 T128
+# 8.71 -> 7.60, B16 T256 24.3 / 25.0 -> 23.0 / 23.6, B16 T64 6.51 -> 5.97, 3
+# layers B32 T128 I256 71.2 -> 70.1, H192 B8 T256 9.35 -> 9.17, B64 T128 36.1
+# -> 37.3 (session 42); below 64 steps, B16 T32 3.23 -> 2.92, B8 T48 3.16 ->
+# 2.70, B64 T32 8.41 -> 8.29 (session 43). Its forward compiles in 1.5-1.7x
+# the time (0.41 -> 0.67 s at B16 T256, 0.37 -> 0.61 s at B16 T32). RNN-tanh
+# and RNN-relu in two lanes, float32 I128 H512 unless said, ms, one lane /
+# chunks of 8 / of 16 (session 43): tanh B16 T256 22.5 / 17.9 / 16.0, B8 T256
+# 13.3 / 10.6 / 9.7, B16 T64 6.25 / 5.08 / 4.42, B16 T32 3.37 / 2.93 / 2.49,
+# B64 T32 7.73 / 6.84 / 7.15, B64 T128 I256 H384 27.2 / 22.0 / 21.0; relu B16
+# T256 22.0 / 25.7 / 18.1, B8 T256 11.7 / 18.4 / 10.8, B16 T128 10.4 / 14.1 /
+# 8.8, B16 T32 3.08 / 4.18 / 2.73, B8 T32 2.13 / 2.91 / 1.87, B64 T32 7.71 /
+# 9.01 / 7.85, 3 layers B32 T128 I512 74.0 / 82.3 / 73.3: in chunks of 8, two
+# lanes of RNN-relu were slower than one. Their forward compiles in 1.3-1.9x
+# the time (relu B16 T32 0.25 -> 0.47 s).
 LONG_STEPS = 64
 LONG_CHUNK = 16
 
