@@ -40,8 +40,8 @@ same with 2 bidirectional layers 240 -> 182 ms, B64 T100 I128 55.0 -> 53.4 ms.
 Compiling takes about twice as long (the unrolled steps), so sequences shorter
 than `MIN_CHUNKED_STEPS` (32), and numbers of steps with no divisor in [4, 16],
 run step by step, as the reference does. The chunks are near 8 steps for the
-forward alone (`INFERENCE_CHUNK`; a GRU's, and an LSTM's in lanes, near 16
-from 64 steps on, `inference_chunk`) and near 4 for the forward of the derivative
+forward alone (`INFERENCE_CHUNK`; near 16 for a GRU's from 64 steps on, and
+for the other cells' in lanes, `inference_chunk`) and near 4 for the forward of the derivative
 (`DERIVATIVE_CHUNK`, training): there the forward is a smaller part of the
 work, and chunks of 4 measured as fast as chunks of 8-10 in forward+backward
 (ms: LSTM B32 T100 I256 H256 2 bidirectional layers 307 vs 305, step by step
