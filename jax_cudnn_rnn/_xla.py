@@ -40,18 +40,19 @@ same with 2 bidirectional layers 240 -> 182 ms, B64 T100 I128 55.0 -> 53.4 ms.
 Compiling takes about twice as long (the unrolled steps), so sequences shorter
 than `MIN_CHUNKED_STEPS` (32), and numbers of steps with no divisor in [4, 16],
 run step by step, as the reference does. The chunks are near 8 steps for the
-forward alone (`INFERENCE_CHUNK`; near 16 for a GRU's from 64 steps on, and
-for the other cells' in lanes, `inference_chunk`) and near 4 for the forward
-of the derivative (`DERIVATIVE_CHUNK`, training): there the forward is a
-smaller part of the work, and chunks of 4 measured as fast as chunks of 8-10
-in forward+backward (ms: LSTM B32 T100 I256 H256 2 bidirectional layers 307
-vs 305, step by step 327; GRU, same shape, 378 vs 378; LSTM B16 T256 I128 H256 106 vs 108; GRU,
-same shape, 96 vs 94; LSTM B64 T32 I128 H256 31 vs 33; the bfloat16 LSTM B16
-T256 57 vs 58), and compiled in 16-33% less time (s: the LSTM B16 T256 0.88
--> 0.59, the 2-layer LSTM 1.60 -> 1.09, a 3-layer GRU B32 T100 1.18 -> 0.99,
-the bfloat16 LSTM B8 T32 I64 H128 0.93 -> 0.68; benchmarks/NOTES.md, session
-18). For the forward alone, 4-step chunks were 5% slower than 10-step ones
-(80.0 vs 75.8 ms, step by step 108.5, at the 2-layer LSTM shape).
+forward alone (`INFERENCE_CHUNK`; near 16 for a GRU's from 64 steps on, and for
+the other cells' in lanes, `inference_chunk`) and near 4 for the forward of the
+derivative (`DERIVATIVE_CHUNK`, training): there the forward is a smaller part
+of the work, and chunks of 4 measured as fast as chunks of 8-10 in
+forward+backward (ms: LSTM B32 T100 I256 H256 2 bidirectional layers 307 vs
+305, step by step 327; GRU, same shape, 378 vs 378; LSTM B16 T256 I128 H256 106
+vs 108; GRU, same shape, 96 vs 94; LSTM B64 T32 I128 H256 31 vs 33; the
+bfloat16 LSTM B16 T256 57 vs 58), and compiled in 16-33% less time (s: the LSTM
+B16 T256 0.88 -> 0.59, the 2-layer LSTM 1.60 -> 1.09, a 3-layer GRU B32 T100
+1.18 -> 0.99, the bfloat16 LSTM B8 T32 I64 H128 0.93 -> 0.68;
+benchmarks/NOTES.md, session 18). For the forward alone, 4-step chunks were 5%
+slower than 10-step ones (80.0 vs 75.8 ms, step by step 108.5, at the 2-layer
+LSTM shape).
 
 A bfloat16 model's forward multiplies bfloat16 operands, accumulating in
 float32 (`operand_dtype`): its weights (exact: they are stored in bfloat16),
