@@ -234,8 +234,7 @@ def main(argv=None) -> int:
             "versions": grid_run.versions(), "quick": args.quick, "steps": args.steps,
             "repeats": repeats, "warmup": args.warmup, "results": results}
   (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=1))
-  table = markdown(results, device_name if gpu else
-                   f"{device_name} ({cpu['model']}; {', '.join(cpu['isa']) or 'no AVX2'})",
+  table = markdown(results, device_name if gpu else grid_run.cpu_heading(device_name, cpu),
                    args.steps)
   (out_dir / f"{stem}.md").write_text(table)
   print("\n" + table)

@@ -381,21 +381,33 @@ def versions() -> dict:
 
 
 def cpu_description() -> dict:
-  """The host CPU: its model and the vector extensions that set XLA's and
+  """The host CPU: its model, the vector extensions that set XLA's and
   oneDNN's matmul speed (the lent machines differ between sessions: AVX2 on
-  one, AVX-512 and AMX on another), from /proc/cpuinfo where there is one."""
-  model, flags = platform.processor() or platform.machine(), set()
+  one, AVX-512 and AMX on another), its family and model numbers (a virtual
+  machine may name only the vendor, "AMD EPYC", for several generations) and
+  a core's L2 cache (which bounds the forward's lanes, `_xla.LANE_WEIGHT_BYTES`),
+  from /proc/cpuinfo and sysfs where there are."""
+  model, flags, family, number = platform.processor() or platform.machine(), set(), None, None
   try:
     for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
       key, _, value = line.partition(":")
-      if key.strip() == "model name":
+      key = key.strip()
+      if key == "model name":
         model = value.strip()
-      elif key.strip() == "flags":
+      elif key == "flags":
         flags = set(value.split())
+      elif key == "cpu family" and family is None:
+        family = value.strip()
+      elif key == "model" and number is None:
+        number = value.strip()
   except OSError:
     pass
+  try:
+    l2 = pathlib.Path("/sys/devices/system/cpu/cpu0/cache/index2/size").read_text().strip()
+  except OSError:
+    l2 = None
   isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
-  return {"model": model, "isa": isa}
+  return {"model": model, "isa": isa, "family": family, "model_number": number, "l2_per_core": l2}
 
 
 def ours_of(results: list[dict]) -> str:
@@ -493,6 +505,15 @@ def plot(results: list[dict], path: pathlib.Path, device: str) -> bool:
   return True
 
 
+def cpu_heading(device_name: str, cpu: dict) -> str:
+  """How a CPU run's table names its machine: the device, the CPU's model, vector
+  extensions and (where known) family, model number and a core's L2 cache."""
+  known = [f"{label} {cpu[key]}" for key, label in
+           (("family", "family"), ("model_number", "model"), ("l2_per_core", "L2"))
+           if cpu.get(key)]
+  return f"{device_name} ({'; '.join([cpu['model'], ', '.join(cpu['isa']) or 'no AVX2'] + known)})"
+
+
 def setting(machine: str | None):
   """`(gpu, have_torch, device_name, cpu, machine)` for a run: whether the cuDNN path
   can run, whether PyTorch is installed (then set to use every core), JAX's first
@@ -563,8 +584,7 @@ def main(argv=None) -> int:
             "warmup": args.warmup, "rounds": rounds, "lead_in": args.lead_in,
             "memory_measure": MEMORY_MEASURE, "compile_measure": COMPILE_MEASURE,
             "results": []}
-  table_device = device_name if gpu else (
-      f"{device_name} ({cpu['model']}; {', '.join(cpu['isa']) or 'no AVX2'})")
+  table_device = device_name if gpu else cpu_heading(device_name, cpu)
   results = record["results"]
   started = time.perf_counter()
   shapes = grid(args.quick, gpu)

@@ -66,8 +66,16 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
     flags = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags"))
     assert ("avx2" in cpu["isa"]) == (" avx2" in flags), (cpu, flags)
     assert ("avx512f" in cpu["isa"]) == (" avx512f" in flags), (cpu, flags)
+    family = next((line.split(":")[1].strip() for line in cpuinfo.read_text().splitlines()
+                   if line.startswith("cpu family")), None)
+    assert cpu["family"] == family, (cpu, family)
+  l2 = pathlib.Path("/sys/devices/system/cpu/cpu0/cache/index2/size")
+  if l2.exists():
+    assert cpu["l2_per_core"] == l2.read_text().strip(), cpu
   if not as_gpu:  # the table's heading names the CPU
     assert f"# RNN benchmarks on cpu:cpu ({cpu['model']}" in printed
+    if cpu["family"]:  # "AMD EPYC" alone does not say which generation
+      assert f"; family {cpu['family']}; model {cpu['model_number']}" in printed
   versions = record["versions"]
   if (ROOT / ".git").exists():  # provenance: the commit, and what differs from it
     assert re.fullmatch(r"[0-9a-f]{40}", versions["commit"]), versions
