@@ -216,7 +216,8 @@ def main(argv=None) -> int:
         print(f"{shape.name:28s} {impl:12s} skipped: {type(e).__name__}: {e}"[:200])
         continue
       timed.update({(impl, pattern): call for pattern, call in calls.items()})
-    timings = grid_run._time_interleaved(timed, repeats, args.warmup, rounds=repeats)
+    timings = grid_run._time_interleaved(timed, repeats, args.warmup, rounds=repeats,
+                                         lead_in_s=grid_run.lead_in_seconds(gpu))
     for (impl, pattern), r in timings.items():
       if "error" in r:
         print(f"{shape.name:28s} {impl:12s} {pattern}: failed: {r['error']}"[:200])
@@ -232,7 +233,8 @@ def main(argv=None) -> int:
   stem = f"decode-{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(), "cpu": cpu,
             "versions": grid_run.versions(), "quick": args.quick, "steps": args.steps,
-            "repeats": repeats, "warmup": args.warmup, "results": results}
+            "repeats": repeats, "warmup": args.warmup,
+            "lead_in_s": grid_run.lead_in_seconds(gpu), "results": results}
   (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=1))
   table = markdown(results, device_name if gpu else grid_run.cpu_heading(device_name, cpu),
                    args.steps)

@@ -116,15 +116,36 @@ def grid(quick: bool, gpu: bool) -> list[Shape]:
 # -- timing ---------------------------------------------------------------------------
 
 
+# How long, at least, each contender's untimed lead-in lasts in every round
+# (`_time_interleaved`). PyTorch's OpenMP threads (libgomp) keep spinning for a
+# while after its call: on a 2-core AMD EPYC (Zen 5), our LSTM B64 T32 I128 H256
+# forward took 8.9, 6.9, then 5.2-5.3 ms in the calls right after two of
+# PyTorch's, 5.1-5.6 ms for every call after a 30 ms pause, so that one
+# lead-in call of its own (5 ms) still left the timed call 25-30% slow, and a
+# call of 0.4 ms (B8 T32 I64 H128) was wholly inside that stretch
+# (benchmarks/NOTES.md, session 44).
+# Not on a GPU, whose device time is scarce (a lent GPU's session has minutes)
+# and where this was not seen (`lead_in_seconds`).
+LEAD_IN_S = 0.03
+
+
+def lead_in_seconds(gpu: bool, ms: float | None = None) -> float:
+  """The lead-in's least duration for a run: `ms` where given, else `LEAD_IN_S`
+  on a CPU and none on a GPU."""
+  return ms / 1e3 if ms is not None else (0.0 if gpu else LEAD_IN_S)
+
+
 def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
-                      lead_in: int = 1) -> dict:
+                      lead_in: int = 1, lead_in_s: float = LEAD_IN_S) -> dict:
   """Times every `fns[name]()` in round-robin rounds, so that a slow stretch of a noisy
   machine falls on all contenders alike; per name the median and interquartile range of
   all `repeats` timings (after `warmup` untimed calls each), and the timings. In every round each
-  contender first makes `lead_in` untimed calls, so that each timed call follows a call
-  of its own, as a training loop's steps do, and not another contender's: on a 2-core
-  CPU, a JAX call made right after a PyTorch call ran 6-38% slower than one made after
-  itself (likely PyTorch's OpenMP threads, still spinning; benchmarks/NOTES.md, session 17).
+  contender first makes untimed calls, `lead_in` of them and for at least `lead_in_s`
+  seconds, so that each timed call follows calls of its own, as a training loop's steps
+  do, and not another contender's: on a 2-core CPU, a JAX call made right after a PyTorch
+  call ran 6-38% slower than one made after itself (PyTorch's OpenMP threads, still
+  spinning; benchmarks/NOTES.md, sessions 17 and 44; `LEAD_IN_S`). `lead_in` 0 makes no
+  untimed calls, whatever `lead_in_s`.
   A contender that fails is reported as `{"error": ...}`."""
   samples, failed = {name: [] for name in fns}, {}
   for name, fn in fns.items():
@@ -139,8 +160,11 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
       if name in failed:
         continue
       try:  # a contender may also fail later (out of memory on a GPU): drop it, keep the rest
-        for _ in range(lead_in):
-          fn()
+        if lead_in:
+          lead_in_until, made = time.perf_counter() + lead_in_s, 0
+          while made < lead_in or time.perf_counter() < lead_in_until:
+            fn()
+            made += 1
         for _ in range(per_round):
           start = time.perf_counter()
           fn()
@@ -557,6 +581,10 @@ def main(argv=None) -> int:
   parser.add_argument("--lead-in", type=int, default=1,
                       help="untimed calls each contender makes before its timed ones in "
                            "every round, so that no timing follows another contender's call")
+  parser.add_argument("--lead-in-ms", type=float, default=None,
+                      help="the least time each contender's untimed calls take in every "
+                           "round (another contender's threads may still be busy after it; "
+                           f"default {LEAD_IN_S * 1e3:g} on a CPU, 0 on a GPU)")
   parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--machine", default=None, help="name in the output files")
   parser.add_argument("--only", default=None, help="comma-separated contenders to run")
@@ -571,6 +599,7 @@ def main(argv=None) -> int:
   # of Flax; fully interleaved over 150 rounds, 1.05x (benchmarks/NOTES.md).
   rounds = args.rounds or repeats
   gpu, have_torch, device_name, cpu, machine = setting(args.machine)
+  lead_in_s = lead_in_seconds(gpu, args.lead_in_ms)
   only = set(args.only.split(",")) if args.only else None
   # A first compilation pays once for what every later one reuses (the backend's
   # start-up, JAX's own first traces): not on the first contender's account.
@@ -582,6 +611,7 @@ def main(argv=None) -> int:
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
             "cpu": cpu, "versions": versions(), "quick": args.quick, "repeats": repeats,
             "warmup": args.warmup, "rounds": rounds, "lead_in": args.lead_in,
+            "lead_in_s": lead_in_s,
             "memory_measure": MEMORY_MEASURE, "compile_measure": COMPILE_MEASURE,
             "results": []}
   table_device = device_name if gpu else cpu_heading(device_name, cpu)
@@ -607,7 +637,7 @@ def main(argv=None) -> int:
         memory.update({(impl, phase): fns[2][phase] for phase in ("fwd", "fwd+bwd")})
         seconds = fns[3] if len(fns) > 3 else {}  # none for an eager contender
         compile_s.update({(impl, phase): seconds.get(phase) for phase in ("fwd", "fwd+bwd")})
-    timings = _time_interleaved(timed, repeats, args.warmup, rounds, args.lead_in)
+    timings = _time_interleaved(timed, repeats, args.warmup, rounds, args.lead_in, lead_in_s)
     for (impl, phase), r in timings.items():
       if "error" in r:
         print(f"{shape.name:55s} {impl:22s} {phase}: failed: {r['error']}"[:200])

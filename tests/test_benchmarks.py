@@ -58,6 +58,8 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   assert record["machine"] == "test-v0.1" and record["repeats"] == 2
   assert record["rounds"] == 2  # by default one timing per contender per round
   assert record["lead_in"] == 1  # each led in by an untimed call of its own
+  # ... and by untimed calls for at least 30 ms on a CPU (PyTorch's threads spin on)
+  assert record["lead_in_s"] == (0.0 if as_gpu else 0.03)
   assert {"jax", "numpy", "cudnn"} <= set(record["versions"])
   cpu = record["cpu"]  # which CPU: the lent machines differ (AVX2 on one, AVX-512 on another)
   assert isinstance(cpu["model"], str) and cpu["model"], cpu
@@ -139,7 +141,8 @@ def test_timing_rounds_interleave_the_contenders(rounds, lead_in, order):
   run = load_benchmark("run")
   calls = []
   fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
-  timed = run._time_interleaved(fns, repeats=3, warmup=1, rounds=rounds, lead_in=lead_in)
+  timed = run._time_interleaved(fns, repeats=3, warmup=1, rounds=rounds, lead_in=lead_in,
+                                lead_in_s=0)
   assert calls[:2] == ["a", "b"]  # the warm-up calls
   assert calls[2:] == order
   assert all(timed[name]["repeats"] == 3 for name in fns)
@@ -166,6 +169,38 @@ def test_lead_in_keeps_a_predecessors_slowdown_out_of_the_timings(lead_in):
   # Each timing is kept: here every one of "a"'s pays the penalty or none does.
   assert len(timed["a"]["times_s"]) == 5
   assert all((t >= 0.03) != bool(lead_in) for t in timed["a"]["times_s"]), timed
+
+
+def test_lead_in_lasts_its_least_time():
+  # Untimed calls of 5 ms led in for at least 22 ms: five a round (the fifth ends
+  # past 22 ms), whatever the count asked for below that; none with `lead_in` 0.
+  run = load_benchmark("run")
+  calls = []
+  def call():
+    calls.append(time.perf_counter())
+    time.sleep(0.005)
+  for lead_in, per_round in ((1, 5), (2, 5), (7, 7), (0, 0)):
+    calls.clear()
+    run._time_interleaved({"a": call}, repeats=3, warmup=1, rounds=3, lead_in=lead_in,
+                          lead_in_s=0.022)
+    assert len(calls) == 1 + 3 * (per_round + 1), (lead_in, len(calls))
+
+
+def test_a_lead_in_of_some_time_outlasts_a_predecessors_spinning_threads():
+  # "a" is slow for 20 ms after a call of "b" (PyTorch's OpenMP threads spin on after
+  # its call, session 44): led in by one quick call, its timed call is slow too; led
+  # in for 30 ms, it is not.
+  run = load_benchmark("run")
+  slow_until = {"t": 0.0}
+  def a():
+    if time.perf_counter() < slow_until["t"]:
+      time.sleep(0.004)
+  def b():
+    slow_until["t"] = time.perf_counter() + 0.02
+  for lead_in_s, slow in ((0.0, True), (0.03, False)):
+    timed = run._time_interleaved({"a": a, "b": b}, repeats=5, warmup=1, rounds=5,
+                                  lead_in=1, lead_in_s=lead_in_s)
+    assert all((t >= 0.004) == slow for t in timed["a"]["times_s"]), (lead_in_s, timed)
 
 
 def test_a_failing_contender_is_reported_and_the_others_timed():
