@@ -171,36 +171,52 @@ def test_lead_in_keeps_a_predecessors_slowdown_out_of_the_timings(lead_in):
   assert all((t >= 0.03) != bool(lead_in) for t in timed["a"]["times_s"]), timed
 
 
-def test_lead_in_lasts_its_least_time():
+class FakeClock:
+  """`time.perf_counter` for `run`, advanced only by the calls being timed: the
+  lead-in tests below then run the same on a loaded machine as on an idle one."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def perf_counter(self):
+    return self.now
+
+
+def test_lead_in_lasts_its_least_time(monkeypatch):
   # Untimed calls of 5 ms led in for at least 22 ms: five a round (the fifth ends
   # past 22 ms), whatever the count asked for below that; none with `lead_in` 0.
   run = load_benchmark("run")
+  clock = FakeClock()
+  monkeypatch.setattr(run, "time", clock)
   calls = []
   def call():
-    calls.append(time.perf_counter())
-    time.sleep(0.005)
+    calls.append(clock.now)
+    clock.now += 0.005
   for lead_in, per_round in ((1, 5), (2, 5), (7, 7), (0, 0)):
     calls.clear()
-    run._time_interleaved({"a": call}, repeats=3, warmup=1, rounds=3, lead_in=lead_in,
-                          lead_in_s=0.022)
+    timed = run._time_interleaved({"a": call}, repeats=3, warmup=1, rounds=3, lead_in=lead_in,
+                                  lead_in_s=0.022)
     assert len(calls) == 1 + 3 * (per_round + 1), (lead_in, len(calls))
+    assert timed["a"]["times_s"] == pytest.approx([0.005] * 3)
 
 
-def test_a_lead_in_of_some_time_outlasts_a_predecessors_spinning_threads():
-  # "a" is slow for 20 ms after a call of "b" (PyTorch's OpenMP threads spin on after
-  # its call, session 44): led in by one quick call, its timed call is slow too; led
-  # in for 30 ms, it is not.
+def test_a_lead_in_of_some_time_outlasts_a_predecessors_spinning_threads(monkeypatch):
+  # "a" takes 4 ms for 20 ms after a call of "b", else 0.1 ms (PyTorch's OpenMP threads
+  # spin on after its call, session 44): led in by one call of its own, its timed call
+  # is slow too; led in for 30 ms, it is not.
   run = load_benchmark("run")
-  slow_until = {"t": 0.0}
+  clock = FakeClock()
+  monkeypatch.setattr(run, "time", clock)
+  slow_until = {"t": -1.0}
   def a():
-    if time.perf_counter() < slow_until["t"]:
-      time.sleep(0.004)
+    clock.now += 0.004 if clock.now < slow_until["t"] else 0.0001
   def b():
-    slow_until["t"] = time.perf_counter() + 0.02
-  for lead_in_s, slow in ((0.0, True), (0.03, False)):
+    slow_until["t"] = clock.now + 0.02
+    clock.now += 0.0001
+  for lead_in_s, expected in ((0.0, 0.004), (0.03, 0.0001)):
     timed = run._time_interleaved({"a": a, "b": b}, repeats=5, warmup=1, rounds=5,
                                   lead_in=1, lead_in_s=lead_in_s)
-    assert all((t >= 0.004) == slow for t in timed["a"]["times_s"]), (lead_in_s, timed)
+    assert timed["a"]["times_s"] == pytest.approx([expected] * 5), (lead_in_s, timed)
 
 
 def test_a_failing_contender_is_reported_and_the_others_timed():
