@@ -119,9 +119,9 @@ def grid(quick: bool, gpu: bool) -> list[Shape]:
 # How long, at least, each contender's untimed lead-in lasts in every round
 # (`_time_interleaved`). PyTorch's OpenMP threads (libgomp) keep spinning for a
 # while after its call: on a 2-core AMD EPYC (Zen 5), our LSTM B64 T32 I128 H256
-# forward took 8.9, 6.9, then 5.2-5.3 ms in the calls right after two of
+# forward took 7.7-8.9, 6.9, then 5.2-5.3 ms in the calls right after two of
 # PyTorch's, 5.1-5.6 ms for every call after a 30 ms pause, so that one
-# lead-in call of its own (5 ms) still left the timed call 25-30% slow, and a
+# lead-in call of its own (5 ms) still left the timed call 18-36% slow, and a
 # call of 0.4 ms (B8 T32 I64 H128) was wholly inside that stretch
 # (benchmarks/NOTES.md, session 44).
 # Not on a GPU, whose device time is scarce (a lent GPU's session has minutes)
