@@ -206,6 +206,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   repeats = args.repeats or (15 if args.quick else 41)
   gpu, have_torch, device_name, cpu, machine = grid_run.setting(args.machine)
+  lead_in_s = grid_run.lead_in_seconds(gpu)
   results = []
   for shape in shapes(args.quick):
     timed = {}
@@ -217,7 +218,7 @@ def main(argv=None) -> int:
         continue
       timed.update({(impl, pattern): call for pattern, call in calls.items()})
     timings = grid_run._time_interleaved(timed, repeats, args.warmup, rounds=repeats,
-                                         lead_in_s=grid_run.lead_in_seconds(gpu))
+                                         lead_in_s=lead_in_s)
     for (impl, pattern), r in timings.items():
       if "error" in r:
         print(f"{shape.name:28s} {impl:12s} {pattern}: failed: {r['error']}"[:200])
@@ -234,7 +235,7 @@ def main(argv=None) -> int:
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(), "cpu": cpu,
             "versions": grid_run.versions(), "quick": args.quick, "steps": args.steps,
             "repeats": repeats, "warmup": args.warmup,
-            "lead_in_s": grid_run.lead_in_seconds(gpu), "results": results}
+            "lead_in_s": lead_in_s, "results": results}
   (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=1))
   table = markdown(results, device_name if gpu else grid_run.cpu_heading(device_name, cpu),
                    args.steps)
