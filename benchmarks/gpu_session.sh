@@ -15,7 +15,10 @@
 # cuDNN through implementation=None; the plumbing tests are CPU-only and run
 # there), bench-quick, bench-full, bench-decode (benchmarks/decode.py), profile
 # (benchmarks/profile_gpu.py: the kernels of one call of each contender, at the small
-# shapes where session 38 found our cuDNN forward slower than PyTorch's).
+# shapes where session 38 found our cuDNN forward slower than PyTorch's), profile-leads
+# (session 45's leads: the smallest LSTM without XLA's command buffers, where the
+# batch-major call's two transposes cost ~100 us of wall time for ~2 us of kernels on an
+# H100, and in bfloat16, where cuDNN's persistent algorithm is not asked for).
 #
 # A device command may run 10 minutes, so the stages of one call share a budget
 # (BUDGET seconds, default 570): each gets what is left, a stage that would start
@@ -112,10 +115,16 @@ for stage in "${stages[@]}"; do
       run_stage profile bash -c "set -o pipefail; {
         python3 benchmarks/profile_gpu.py --out-dir '$out' &&
         python3 benchmarks/profile_gpu.py --out-dir '$out' --shape gru,16,50,64,128,1,uni,float32; } 2>&1 | tee '$out/profile-$stamp.log' | tail -60" ;;
+    profile-leads)
+      run_stage profile-leads bash -c "set -o pipefail; {
+        XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/profile_gpu.py --out-dir '$out' \
+          --tag no-command-buffers &&
+        python3 benchmarks/profile_gpu.py --out-dir '$out' --shape lstm,8,32,64,128,1,uni,bfloat16; } 2>&1 \
+        | tee '$out/profile-leads-$stamp.log' | tail -60" ;;
     bench-decode)
       run_stage bench-decode bash -c "set -o pipefail; python3 benchmarks/decode.py --out-dir '$out' 2>&1 | tail -40" ;;
     *)
-      echo "unknown stage $stage (build, gpu-checks, gpu-sweep, gpu-tests, demo, suite, bench-quick, bench-full, bench-decode, profile)"
+      echo "unknown stage $stage (build, gpu-checks, gpu-sweep, gpu-tests, demo, suite, bench-quick, bench-full, bench-decode, profile, profile-leads)"
       exit 2 ;;
   esac
 done

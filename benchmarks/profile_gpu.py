@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import os
 import pathlib
 import sys
 import time
@@ -75,10 +76,17 @@ def profile_call(fn, calls: int, cuda: bool) -> dict:
                               key=lambda k: -k[2])}
 
 
-def report(shape, device: str, results: dict, top: int) -> str:
-  lines = [f"# Kernels per call on {device}: {shape.name}", "",
-           "Per call: wall time (median, unprofiled), summed kernel time and kernel count "
-           "(profiled, `torch.profiler` with CUDA activity).", "",
+def report(shape, device: str, results: dict, top: int, versions: dict | None = None,
+           xla_flags: str | None = None) -> str:
+  """The markdown report; `versions` (`run.versions()`) and the `XLA_FLAGS` in force,
+  if any, go under the heading, so that a profile names what it ran on and under."""
+  lines = [f"# Kernels per call on {device}: {shape.name}", ""]
+  if versions:
+    lines += ["Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), ""]
+  if xla_flags:
+    lines += [f"`XLA_FLAGS={xla_flags}`", ""]
+  lines += ["Per call: wall time (median, unprofiled), summed kernel time and kernel count "
+            "(profiled, `torch.profiler` with CUDA activity).", "",
            "| contender | phase | wall (us) | kernels (us) | kernels |", "|---|---|---:|---:|---:|"]
   for (impl, phase), r in results.items():
     if "error" in r:
@@ -106,6 +114,9 @@ def main(argv=None) -> int:
   parser.add_argument("--top", type=int, default=12, help="kernels listed per contender")
   parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--machine", default=None, help="name in the output file")
+  parser.add_argument("--tag", default="",
+                      help="appended to the output file's name (e.g. for a run under other "
+                           "XLA_FLAGS, which the report records)")
   args = parser.parse_args(argv)
   gpu, have_torch, device_name, _, machine = grid_run.setting(args.machine)
   if not have_torch:
@@ -127,11 +138,13 @@ def main(argv=None) -> int:
         results[impl, phase] = profile_call(fn, args.calls, cuda)
       except Exception as e:
         results[impl, phase] = {"error": f"{type(e).__name__}: {e}"}
-  text = report(args.shape, device_name, results, args.top)
+  text = report(args.shape, device_name, results, args.top, grid_run.versions(),
+                os.environ.get("XLA_FLAGS"))
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   slug = args.shape.name.replace(" ", "-")
-  path = out_dir / f"profile-{machine}-{slug}-{datetime.date.today().isoformat()}.md"
+  tag = f"-{args.tag}" if args.tag else ""
+  path = out_dir / f"profile-{machine}-{slug}{tag}-{datetime.date.today().isoformat()}.md"
   path.write_text(text)
   print(text)
   print(f"wrote {path}")

@@ -14,6 +14,7 @@ import pathlib
 import re
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -318,11 +319,16 @@ def test_profile_script_reports_every_contender(as_gpu, mode, tmp_path, monkeypa
   # A GRU has no `jax.experimental.rnn` contender (it has only the LSTM): on a GPU,
   # session 45's profile of a GRU stopped there.
   shape = f"{mode},2,3,4,5,2,bi,float32"
-  assert profile.main(["--shape", shape, "--calls", "2",
-                       "--out-dir", str(tmp_path), "--machine", "m"]) == 0
+  # The backend is up already: XLA_FLAGS set now only has to be recorded.
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+  assert profile.main(["--shape", shape, "--calls", "2", "--out-dir", str(tmp_path),
+                       "--machine", "m", "--tag", "t"]) == 0
   [written] = tmp_path.iterdir()
-  assert re.fullmatch(rf"profile-m-{mode}-B2-T3-I4-H5-L2-bi-float32-\d{{4}}-\d\d-\d\d\.md",
+  assert re.fullmatch(rf"profile-m-{mode}-B2-T3-I4-H5-L2-bi-float32-t-\d{{4}}-\d\d-\d\d\.md",
                       written.name)
+  text = written.read_text()
+  assert "`XLA_FLAGS=--xla_gpu_enable_command_buffer=`" in text
+  assert f"jax {jax.__version__}" in text and "commit " in text, text[:400]
   rows, failed = {}, set()
   for line in written.read_text().splitlines():
     cells = [c.strip() for c in line.strip("|").split("|")]
