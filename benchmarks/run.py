@@ -221,14 +221,21 @@ def _jax_contender(fwd, grad, args, scratch=None):
 
 
 def ours(shape: Shape, implementation: str, time_major: bool = False,
-         algorithm: str | None = None):
+         algorithm: str | None = None, persistent_batch_major: bool = False):
   """Ours on batch-major input, as the peers take it; or, with `time_major`, on the
   same input laid out [T, B, I] (on a GPU, cuDNN's sequence-major layout: session 38
   in benchmarks/NOTES.md). `algorithm`: a cuDNN algorithm policy to trace it under
   (`_cudnn.ALGORITHM_POLICIES`), else the environment's (by default "auto", which
-  picks the persistent small-h algorithm where cuDNN's limits allow)."""
-  with _environment(_cudnn.ALGORITHM_ENV, algorithm):
-    return _ours(shape, implementation, time_major)
+  picks the persistent small-h algorithm where cuDNN's limits allow).
+  `persistent_batch_major`: traced with `_cudnn.PERSISTENT_BATCH_MAJOR` on (batch-major
+  data to that algorithm as it is, not transposed; session 45)."""
+  before = _cudnn.PERSISTENT_BATCH_MAJOR
+  _cudnn.PERSISTENT_BATCH_MAJOR = persistent_batch_major
+  try:
+    with _environment(_cudnn.ALGORITHM_ENV, algorithm):
+      return _ours(shape, implementation, time_major)
+  finally:
+    _cudnn.PERSISTENT_BATCH_MAJOR = before
 
 
 @contextlib.contextmanager
@@ -369,6 +376,11 @@ def contenders(shape: Shape, gpu: bool, have_torch: bool):
       # A shape where ours-cudnn runs cuDNN's persistent small-h algorithm: the
       # standard one beside it (session 39 in benchmarks/NOTES.md).
       out["ours-cudnn-standard"] = lambda: ours(shape, "cudnn", algorithm="standard")
+      # And batch-major data given to it as it is, not transposed (session 45): whether
+      # cuDNN runs it so, and faster. Where cuDNN turns it down at the descriptor or the
+      # size query, the standard algorithm runs (its time then shows it).
+      out["ours-cudnn-persistent-batch-major"] = lambda: ours(
+          shape, "cudnn", persistent_batch_major=True)
     out["jax.experimental.rnn"] = lambda: jax_experimental(shape)
   if have_torch:
     out["torch"] = lambda: torch_rnn(shape, "cuda" if gpu else "cpu")

@@ -599,11 +599,23 @@ def order_from_layout(spec, rows: np.ndarray) -> np.ndarray | None:
   return None if (order == np.arange(size)).all() else order
 
 
+# Whether batch-major data goes to cuDNN's persistent small-h algorithm as it is
+# (cuDNN's batch-major layout) instead of transposed to sequence-major around the
+# call (`call_config`). Off: PyTorch gives that algorithm sequence-major data only,
+# and whether cuDNN runs it on batch-major data is not known. On an H100 the two
+# transposes cost 60-100 us a call at LSTM B8 T32 I64 H128, far more than their
+# kernels (benchmarks/NOTES.md, session 45); `benchmarks/run.py` times a GPU with it
+# on (`ours-cudnn-persistent-batch-major`) to find out whether it runs, and faster.
+PERSISTENT_BATCH_MAJOR = False
+
+
 def call_config(spec, time_major: bool, has_lengths: bool) -> Config:
   """The configuration of `spec`'s fused call on data in this layout: as given,
-  but sequence-major under the persistent small-h algorithm (`_run_fused`)."""
+  but sequence-major under the persistent small-h algorithm (`_run_fused`), unless
+  `PERSISTENT_BATCH_MAJOR`. Read when the call is traced."""
   cfg = Config.of(spec, time_major, has_lengths)
-  if cfg.batch_major and ALGORITHMS["persist_static_small_h"] in cfg.algorithms:
+  if (cfg.batch_major and not PERSISTENT_BATCH_MAJOR
+      and ALGORITHMS["persist_static_small_h"] in cfg.algorithms):
     return Config.of(spec, True, has_lengths)
   return cfg
 
@@ -615,7 +627,7 @@ def _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major):
   a call runs the persistent small-h algorithm: there it is transposed to
   sequence-major around the call, the layout that algorithm is known to run in
   (PyTorch gives it no other); whether cuDNN takes it batch-major has not been
-  tried on a GPU (README, Known limitations). A departure from DESIGN's "no
+  tried on a GPU (`PERSISTENT_BATCH_MAJOR`, README's Known limitations). A departure from DESIGN's "no
   transposes" for the batch-major layout, costing two transposes of the data
   (four with the gradient) at the small hidden sizes where that algorithm runs.
   """

@@ -29,11 +29,13 @@ TINY = dict(mode="lstm", batch=2, seq_len=3, input_size=4, hidden=5, layers=2,
 
 
 def cudnn_contenders(shape) -> set:
-  """Our cuDNN contenders on a GPU: both layouts, and the standard algorithm beside the
-  default where the default is cuDNN's persistent small-h one (`_cudnn.choose_algorithms`)."""
+  """Our cuDNN contenders on a GPU: both layouts, and, where the default is cuDNN's
+  persistent small-h algorithm (`_cudnn.choose_algorithms`), the standard one beside it
+  and the persistent one on batch-major data as it is."""
   from jax_cudnn_rnn import _cudnn
   small_h = _cudnn.choose_algorithms(shape.spec(), has_seq_lengths=False) != (0, 0)
-  return {"ours-cudnn", "ours-cudnn-time-major"} | ({"ours-cudnn-standard"} if small_h else set())
+  return {"ours-cudnn", "ours-cudnn-time-major"} | (
+      {"ours-cudnn-standard", "ours-cudnn-persistent-batch-major"} if small_h else set())
 
 
 @pytest.mark.parametrize("as_gpu", [False, True], ids=["cpu", "gpu-with-handler-model"])
