@@ -627,9 +627,10 @@ def _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major):
   a call runs the persistent small-h algorithm: there it is transposed to
   sequence-major around the call, the layout that algorithm is known to run in
   (PyTorch gives it no other); whether cuDNN takes it batch-major has not been
-  tried on a GPU (`PERSISTENT_BATCH_MAJOR`, README's Known limitations). A departure from DESIGN's "no
-  transposes" for the batch-major layout, costing two transposes of the data
-  (four with the gradient) at the small hidden sizes where that algorithm runs.
+  tried on a GPU (`PERSISTENT_BATCH_MAJOR`, README's Known limitations). A
+  departure from DESIGN's "no transposes" for the batch-major layout, costing two
+  transposes of the data (four with the gradient) at the small hidden sizes where
+  that algorithm runs.
   """
   cfg = call_config(spec, time_major, has_lengths)
   if not time_major and not cfg.batch_major:  # batch-major data, run sequence-major
