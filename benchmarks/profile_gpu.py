@@ -131,8 +131,6 @@ def main(argv=None) -> int:
     except Exception as e:  # a peer that cannot run this shape
       results[impl, "fwd"] = {"error": f"{type(e).__name__}: {e}"}
       continue
-    if fns is None:  # a peer with no such cell (jax.experimental.rnn has only the LSTM)
-      continue
     for phase, fn in zip(("fwd", "fwd+bwd"), fns[:2]):
       try:
         results[impl, phase] = profile_call(fn, args.calls, cuda)

@@ -43,6 +43,7 @@ import platform
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 import jax
@@ -229,13 +230,9 @@ def ours(shape: Shape, implementation: str, time_major: bool = False,
   picks the persistent small-h algorithm where cuDNN's limits allow).
   `persistent_batch_major`: traced with `_cudnn.PERSISTENT_BATCH_MAJOR` on (batch-major
   data to that algorithm as it is, not transposed; session 45)."""
-  before = _cudnn.PERSISTENT_BATCH_MAJOR
-  _cudnn.PERSISTENT_BATCH_MAJOR = persistent_batch_major
-  try:
-    with _environment(_cudnn.ALGORITHM_ENV, algorithm):
-      return _ours(shape, implementation, time_major)
-  finally:
-    _cudnn.PERSISTENT_BATCH_MAJOR = before
+  with (_environment(_cudnn.ALGORITHM_ENV, algorithm),
+        mock.patch.object(_cudnn, "PERSISTENT_BATCH_MAJOR", persistent_batch_major)):
+    return _ours(shape, implementation, time_major)
 
 
 @contextlib.contextmanager
@@ -311,9 +308,9 @@ def flax_scan(shape: Shape):
 
 
 def jax_experimental(shape: Shape):
+  """`jax.experimental.rnn.lstm` (`contenders` lists it for float32 LSTMs only: the one
+  cell and dtype it has)."""
   from jax.experimental import rnn
-  if shape.mode != "lstm" or shape.dtype != "float32":
-    return None
   D = 2 if shape.bidirectional else 1
   w = rnn.init_lstm_weight(jax.random.key(0), shape.input_size, shape.hidden, shape.layers,
                            shape.bidirectional)
@@ -381,7 +378,8 @@ def contenders(shape: Shape, gpu: bool, have_torch: bool):
       # size query, the standard algorithm runs (its time then shows it).
       out["ours-cudnn-persistent-batch-major"] = lambda: ours(
           shape, "cudnn", persistent_batch_major=True)
-    out["jax.experimental.rnn"] = lambda: jax_experimental(shape)
+    if shape.mode == "lstm" and shape.dtype == "float32":
+      out["jax.experimental.rnn"] = lambda: jax_experimental(shape)
   if have_torch:
     out["torch"] = lambda: torch_rnn(shape, "cuda" if gpu else "cpu")
   return out
@@ -644,11 +642,10 @@ def main(argv=None) -> int:
       except Exception as e:  # a peer that cannot run this shape
         print(f"{shape.name:55s} {impl:22s} skipped: {type(e).__name__}: {e}"[:200])
         continue
-      if fns is not None:
-        timed.update({(impl, phase): fn for phase, fn in zip(("fwd", "fwd+bwd"), fns[:2])})
-        memory.update({(impl, phase): fns[2][phase] for phase in ("fwd", "fwd+bwd")})
-        seconds = fns[3] if len(fns) > 3 else {}  # none for an eager contender
-        compile_s.update({(impl, phase): seconds.get(phase) for phase in ("fwd", "fwd+bwd")})
+      timed.update({(impl, phase): fn for phase, fn in zip(("fwd", "fwd+bwd"), fns[:2])})
+      memory.update({(impl, phase): fns[2][phase] for phase in ("fwd", "fwd+bwd")})
+      seconds = fns[3] if len(fns) > 3 else {}  # none for an eager contender
+      compile_s.update({(impl, phase): seconds.get(phase) for phase in ("fwd", "fwd+bwd")})
     timings = _time_interleaved(timed, repeats, args.warmup, rounds, args.lead_in, lead_in_s)
     for (impl, phase), r in timings.items():
       if "error" in r:
