@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from handler_model import HandlerModel
-from helpers import has_torch, load_benchmark
+from helpers import has_torch, load_benchmark, on_a_cpu_host
 
 import jax_cudnn_rnn as jcr
 
@@ -38,6 +38,7 @@ def cudnn_contenders(shape) -> set:
       {"ours-cudnn-standard", "ours-cudnn-persistent-batch-major"} if small_h else set())
 
 
+@on_a_cpu_host
 @pytest.mark.parametrize("as_gpu", [False, True], ids=["cpu", "gpu-with-handler-model"])
 def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   run = load_benchmark("run")
@@ -309,6 +310,7 @@ def test_a_shape_where_ours_failed_shows_no_other_figure_as_ours():
   assert "Ours = `ours-cudnn`:" in run.markdown(results, "gpu:test")
 
 
+@on_a_cpu_host
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 @pytest.mark.parametrize("as_gpu", [False, True], ids=["cpu", "gpu-with-handler-model"])
 def test_profile_script_reports_every_contender(as_gpu, mode, tmp_path, monkeypatch, capsys):

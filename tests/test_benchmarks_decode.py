@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from handler_model import HandlerModel
-from helpers import has_torch, load_benchmark
+from helpers import has_torch, load_benchmark, on_a_cpu_host
 
 
+@on_a_cpu_host
 @pytest.mark.parametrize("as_gpu", [False, True], ids=["cpu", "gpu-with-handler-model"])
 def test_decode_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   decode = load_benchmark("decode")

@@ -26,7 +26,7 @@ import pytest
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _cudnn, _reference, interop
-from helpers import relative_error
+from helpers import CROSS_TOL, relative_error
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -133,7 +133,7 @@ def test_export_for_cpu_and_cuda(sizes):
   got = export.deserialize(ns["blob"]).call(x, params)  # its last line, on the CPU
   assert _cudnn.in_compiled(ns["exported"].mlir_module())
   want = spec(x, None, params, is_training=False, implementation="xla")[0]
-  assert relative_error(got, want) < 1e-6
+  assert relative_error(got, want) < CROSS_TOL  # on a GPU, cuDNN's against XLA's
 
 
 @pytest.mark.parametrize("cls", [jcr.CudnnGRU, jcr.CudnnRNNTanh])
@@ -146,7 +146,8 @@ def test_decoding_with_flax_cells(cls):
   ns = _run("decode", dict(interop=interop, jax=jax, spec=spec, params=params, h0=h0, x_t=x_t))
   y, h = spec(x_t[None], h0, params, is_training=False)
   # The block steps layer 0; layer 1 "then" takes its output.
-  np.testing.assert_allclose(ns["h1"], h[0], rtol=1e-6, atol=1e-6)
+  # The Flax cells are XLA's; `spec` is cuDNN's on a GPU.
+  np.testing.assert_allclose(ns["h1"], h[0], rtol=CROSS_TOL, atol=CROSS_TOL)
   h2, out = ns["step"](ns["layers"][1][0], h0[1], ns["out"])
-  np.testing.assert_allclose(h2, h[1], rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(out, y[0], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(h2, h[1], rtol=CROSS_TOL, atol=CROSS_TOL)
+  np.testing.assert_allclose(out, y[0], rtol=CROSS_TOL, atol=CROSS_TOL)
