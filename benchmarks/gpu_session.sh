@@ -103,7 +103,11 @@ for stage in "${stages[@]}"; do
       run_stage demo bash -c "set -o pipefail; python3 -m jax_cudnn_rnn.demo 2>&1 | sed -u 's/\r/\n/g' \
         | tee '$out/demo-$stamp.log' | tail -25" ;;
     suite)
-      run_stage suite bash -c "set -o pipefail; python3 -m pytest -q -rf --deselect tests/test_cudnn.py 2>&1 \
+      # Over xdist's workers, each taking GPU memory as it needs it: in one process
+      # the suite outlasted a 255 s budget on an H100 (session 46); ten workers ran
+      # half of it in 120 s. -v names each test as it ends, for a run cut short.
+      run_stage suite bash -c "set -o pipefail; XLA_PYTHON_CLIENT_PREALLOCATE=false \
+        python3 -m pytest -v -rf $pytest_opts $workers --deselect tests/test_cudnn.py 2>&1 \
         | tee '$out/suite-$stamp.log' | tail -40" ;;
     bench-quick)
       run_stage bench-quick bash -c "set -o pipefail; python3 benchmarks/run.py --quick --out-dir '$out' --budget-s \$((STAGE_LEFT - 60)) 2>&1 \
