@@ -222,14 +222,14 @@ def _jax_contender(fwd, grad, args, scratch=None):
 
 
 def ours(shape: Shape, implementation: str, time_major: bool = False,
-         algorithm: str | None = None, persistent_batch_major: bool = False):
+         algorithm: str | None = None, persistent_batch_major: str = "none"):
   """Ours on batch-major input, as the peers take it; or, with `time_major`, on the
   same input laid out [T, B, I] (on a GPU, cuDNN's sequence-major layout: session 38
   in benchmarks/NOTES.md). `algorithm`: a cuDNN algorithm policy to trace it under
   (`_cudnn.ALGORITHM_POLICIES`), else the environment's (by default "auto", which
   picks the persistent small-h algorithm where cuDNN's limits allow).
-  `persistent_batch_major`: traced with `_cudnn.PERSISTENT_BATCH_MAJOR` on (batch-major
-  data to that algorithm as it is, not transposed; session 45)."""
+  `persistent_batch_major`: `_cudnn.PERSISTENT_BATCH_MAJOR` to trace it under (which calls
+  of that algorithm get batch-major data as it is, not transposed; sessions 45-46)."""
   with (_environment(_cudnn.ALGORITHM_ENV, algorithm),
         mock.patch.object(_cudnn, "PERSISTENT_BATCH_MAJOR", persistent_batch_major)):
     return _ours(shape, implementation, time_major)
@@ -266,9 +266,11 @@ def _ours(shape: Shape, implementation: str, time_major: bool):
 
   scratch = None
   if implementation == "cudnn":  # one fused call per phase (no dropout)
-    sizes = _cudnn.query_sizes(_cudnn.call_config(spec, time_major, has_lengths=False),
-                               spec.dtype, shape.seq_len, shape.batch)
-    scratch = {"fwd": sizes["workspace_inference"], "fwd+bwd": sizes["workspace_training"]}
+    sizes = {training: _cudnn.query_sizes(
+        _cudnn.call_config(spec, time_major, has_lengths=False, training=training),
+        spec.dtype, shape.seq_len, shape.batch) for training in (False, True)}
+    scratch = {"fwd": sizes[False]["workspace_inference"],
+               "fwd+bwd": sizes[True]["workspace_training"]}
   return _jax_contender(run, jax.grad(lambda x, p: jnp.sum(run(x, p).astype(jnp.float32)),
                                       argnums=(0, 1)), (x, params), scratch)
 
@@ -373,11 +375,13 @@ def contenders(shape: Shape, gpu: bool, have_torch: bool):
       # A shape where ours-cudnn runs cuDNN's persistent small-h algorithm: the
       # standard one beside it (session 39 in benchmarks/NOTES.md).
       out["ours-cudnn-standard"] = lambda: ours(shape, "cudnn", algorithm="standard")
-      # And batch-major data given to it as it is, not transposed (session 45): whether
-      # cuDNN runs it so, and faster. Where cuDNN turns it down at the descriptor or the
-      # size query, the standard algorithm runs (its time then shows it).
-      out["ours-cudnn-persistent-batch-major"] = lambda: ours(
-          shape, "cudnn", persistent_batch_major=True)
+      # And batch-major data given to its inference call as it is, not transposed, the
+      # derivative's calls sequence-major: session 46 found the forward faster so on an
+      # H100 and training slower with every call so ("all"; benchmarks/NOTES.md). Where
+      # cuDNN turns it down at the descriptor or the size query, the standard algorithm
+      # runs (its time then shows it).
+      out["ours-cudnn-batch-major-inference"] = lambda: ours(
+          shape, "cudnn", persistent_batch_major="inference")
     if shape.mode == "lstm" and shape.dtype == "float32":
       out["jax.experimental.rnn"] = lambda: jax_experimental(shape)
   if have_torch:

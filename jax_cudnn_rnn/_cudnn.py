@@ -599,22 +599,35 @@ def order_from_layout(spec, rows: np.ndarray) -> np.ndarray | None:
   return None if (order == np.arange(size)).all() else order
 
 
-# Whether batch-major data goes to cuDNN's persistent small-h algorithm as it is
-# (cuDNN's batch-major layout) instead of transposed to sequence-major around the
-# call (`call_config`). Off: PyTorch gives that algorithm sequence-major data only,
-# and whether cuDNN runs it on batch-major data is not known. On an H100 the two
-# transposes cost 60-100 us a call at LSTM B8 T32 I64 H128, far more than their
-# kernels (benchmarks/NOTES.md, session 45); `benchmarks/run.py` times a GPU with it
-# on (`ours-cudnn-persistent-batch-major`) to find out whether it runs, and faster.
-PERSISTENT_BATCH_MAJOR = False
+# Which of the persistent small-h algorithm's calls get batch-major data as it
+# is (cuDNN's batch-major layout) rather than transposed to sequence-major around
+# them: "none", "inference" (the forward with no derivative taken: cuDNN's
+# inference call; a derivative's calls stay sequence-major) or "all". PyTorch
+# gives that algorithm sequence-major data only. On an H100 (benchmarks/NOTES.md,
+# sessions 45-46) the two transposes cost 60-100 us a call at LSTM B8 T32 I64
+# H128, far more than their kernels; given batch-major data, cuDNN 9.19 ran the
+# forward faster (GRU B16 T50 H128: 0.27 against 0.35 ms) and training slower
+# (0.43 against 0.38 ms: its backward launched 31 kernels against 15). Its values
+# there are not checked yet (`tests/test_cudnn.py`,
+# `test_persistent_algorithm_on_batch_major_data`), so the default is "none".
+# `benchmarks/run.py` times "inference" (`ours-cudnn-batch-major-inference`).
+# Read when the call is traced.
+PERSISTENT_BATCH_MAJOR = "none"
+PERSISTENT_BATCH_MAJOR_CHOICES = ("none", "inference", "all")
 
 
-def call_config(spec, time_major: bool, has_lengths: bool) -> Config:
-  """The configuration of `spec`'s fused call on data in this layout: as given,
-  but sequence-major under the persistent small-h algorithm (`_run_fused`), unless
-  `PERSISTENT_BATCH_MAJOR`. Read when the call is traced."""
+def call_config(spec, time_major: bool, has_lengths: bool, training: bool = True) -> Config:
+  """The configuration of `spec`'s fused call on data in this layout, for
+  training (the forward and backward calls of a derivative) or not (cuDNN's
+  inference call): as given, but sequence-major under the persistent small-h
+  algorithm, unless `PERSISTENT_BATCH_MAJOR` says otherwise for these calls."""
+  if PERSISTENT_BATCH_MAJOR not in PERSISTENT_BATCH_MAJOR_CHOICES:
+    raise ValueError(f"_cudnn.PERSISTENT_BATCH_MAJOR must be one of "
+                     f"{', '.join(PERSISTENT_BATCH_MAJOR_CHOICES)}; got {PERSISTENT_BATCH_MAJOR!r}")
   cfg = Config.of(spec, time_major, has_lengths)
-  if (cfg.batch_major and not PERSISTENT_BATCH_MAJOR
+  as_given = PERSISTENT_BATCH_MAJOR == "all" or (
+      PERSISTENT_BATCH_MAJOR == "inference" and not training)
+  if (cfg.batch_major and not as_given
       and ALGORITHMS["persist_static_small_h"] in cfg.algorithms):
     return Config.of(spec, True, has_lengths)
   return cfg
@@ -626,16 +639,47 @@ def _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major):
   Batch-major data goes to cuDNN as it is (its batch-major layout), but where
   a call runs the persistent small-h algorithm: there it is transposed to
   sequence-major around the call, the layout that algorithm is known to run in
-  (PyTorch gives it no other); whether cuDNN takes it batch-major has not been
-  tried on a GPU (`PERSISTENT_BATCH_MAJOR`, README's Known limitations). A
+  (PyTorch gives it no other), unless `PERSISTENT_BATCH_MAJOR` says otherwise. A
   departure from DESIGN's "no transposes" for the batch-major layout, costing two
   transposes of the data (four with the gradient) at the small hidden sizes where
   that algorithm runs.
   """
-  cfg = call_config(spec, time_major, has_lengths)
+  infer, train = (call_config(spec, time_major, has_lengths, training=t) for t in (False, True))
+  if infer != train:  # the inference call's layout differs from the derivative's
+    return _inference_in_its_own_layout(spec, has_lengths, x, h0, c0, params, lengths)
+  return _run_in(spec, train, x, h0, c0, params, lengths, has_lengths, time_major)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _inference_in_its_own_layout(spec, has_lengths, x, h0, c0, params, lengths):
+  """Batch-major data: the inference call's layout (as given) for the value, and
+  the derivative's (sequence-major) for the forward of a derivative and its
+  backward, when `call_config` gives the two calls different layouts."""
+  cfg = call_config(spec, False, has_lengths, training=False)
+  return _run_in(spec, cfg, x, h0, c0, params, lengths, has_lengths, False)
+
+
+def _inference_in_its_own_layout_fwd(spec, has_lengths, x, h0, c0, params, lengths):
+  cfg = call_config(spec, False, has_lengths, training=True)
+  run = lambda x, h0, c0, params: _run_in(spec, cfg, x, h0, c0, params, lengths, has_lengths,
+                                          False)
+  return jax.vjp(run, x, h0, c0, params)  # the vjp function (a pytree) is the residual
+
+
+def _inference_in_its_own_layout_bwd(spec, has_lengths, vjp, cotangents):
+  return (*vjp(cotangents), None)
+
+
+_inference_in_its_own_layout.defvjp(_inference_in_its_own_layout_fwd,
+                                    _inference_in_its_own_layout_bwd)
+
+
+def _run_in(spec, cfg, x, h0, c0, params, lengths, has_lengths, time_major):
+  """`_run_fused` in `cfg`'s layout: batch-major data (`time_major` False) is
+  transposed to sequence-major around the call where `cfg` is sequence-major."""
   if not time_major and not cfg.batch_major:  # batch-major data, run sequence-major
-    y, h, c = _run_fused(spec, jnp.swapaxes(x, 0, 1), h0, c0, params, lengths, has_lengths,
-                         time_major=True)
+    y, h, c = _run_in(spec, Config.of(spec, True, has_lengths), jnp.swapaxes(x, 0, 1), h0, c0,
+                      params, lengths, has_lengths, time_major=True)
     return jnp.swapaxes(y, 0, 1), h, c
   order = cudnn_order(spec)
   if order is not None:

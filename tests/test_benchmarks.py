@@ -31,11 +31,11 @@ TINY = dict(mode="lstm", batch=2, seq_len=3, input_size=4, hidden=5, layers=2,
 def cudnn_contenders(shape) -> set:
   """Our cuDNN contenders on a GPU: both layouts, and, where the default is cuDNN's
   persistent small-h algorithm (`_cudnn.choose_algorithms`), the standard one beside it
-  and the persistent one on batch-major data as it is."""
+  and the persistent one given batch-major data as it is in its inference call."""
   from jax_cudnn_rnn import _cudnn
   small_h = _cudnn.choose_algorithms(shape.spec(), has_seq_lengths=False) != (0, 0)
   return {"ours-cudnn", "ours-cudnn-time-major"} | (
-      {"ours-cudnn-standard", "ours-cudnn-persistent-batch-major"} if small_h else set())
+      {"ours-cudnn-standard", "ours-cudnn-batch-major-inference"} if small_h else set())
 
 
 @on_a_cpu_host

@@ -178,14 +178,16 @@ def test_both_algorithms_match_the_reference(monkeypatch, policy, cls, time_majo
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
-def test_persistent_algorithm_on_batch_major_data(monkeypatch, cls):
-  """With `_cudnn.PERSISTENT_BATCH_MAJOR` on, batch-major data goes to cuDNN's
-  persistent small-h algorithm as it is, without the transposes: values and
-  gradients against the reference (with and without sequence lengths), and
-  cuDNN runs that algorithm on that layout. Session 46 timed it on an H100
-  (benchmarks/NOTES.md): the forward faster than with the transposes, the
-  training call slower. This is what must pass before it is turned on."""
-  monkeypatch.setattr(_cudnn, "PERSISTENT_BATCH_MAJOR", True)
+@pytest.mark.parametrize("calls", ["inference", "all"])
+def test_persistent_algorithm_on_batch_major_data(monkeypatch, cls, calls):
+  """With `_cudnn.PERSISTENT_BATCH_MAJOR`, batch-major data goes to cuDNN's
+  persistent small-h algorithm as it is, without the transposes, in the
+  inference call or in every call: values and gradients against the reference
+  (with and without sequence lengths), and cuDNN runs that algorithm on that
+  layout. Session 46 timed "all" on an H100 (benchmarks/NOTES.md): the forward
+  faster than with the transposes, training slower. This is what must pass
+  before "inference" is made the default."""
+  monkeypatch.setattr(_cudnn, "PERSISTENT_BATCH_MAJOR", calls)
   spec = cls(2, 16, 8, direction="bidirectional", dtype=jnp.float32)
   T, B = 9, 5
   _check_against_reference(spec, T=T, B=B, time_major=False)
@@ -193,8 +195,9 @@ def test_persistent_algorithm_on_batch_major_data(monkeypatch, cls):
                            seq_lengths=jnp.array([9, 4, 1, 0, 6], jnp.int32))
   _check_inference(spec, T, B, time_major=False)
   with jax.default_matmul_precision("highest"):
-    cfg = _cudnn.call_config(spec, time_major=False, has_lengths=False)
-  assert cfg.batch_major, cfg
+    cfg = _cudnn.call_config(spec, time_major=False, has_lengths=False, training=False)
+    training = _cudnn.call_config(spec, time_major=False, has_lengths=False, training=True)
+  assert cfg.batch_major and training.batch_major == (calls == "all"), (cfg, training)
   assert _cudnn.query_sizes(cfg, spec.dtype, T, B)["algorithms"] == (3, 3)
 
 

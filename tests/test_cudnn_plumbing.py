@@ -175,15 +175,16 @@ def test_eager_calls_follow_a_changed_algorithm_policy(handlers, monkeypatch):
     spec(x, h, c, params, is_training=False, implementation="cudnn")
 
 
-@pytest.mark.parametrize("persistent_batch_major", [False, True])
+@pytest.mark.parametrize("persistent_batch_major", _cudnn.PERSISTENT_BATCH_MAJOR_CHOICES)
 @pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
 @pytest.mark.parametrize("policy", _cudnn.ALGORITHM_POLICIES)
 def test_batch_major_data_is_sequence_major_under_the_persistent_algorithm(
     handlers, monkeypatch, cls, policy, persistent_batch_major):
   """Batch-major data reaches cuDNN batch-major, but under the persistent
   small-h algorithm, which gets it transposed to sequence-major (the layout it
-  is known to run in) unless `_cudnn.PERSISTENT_BATCH_MAJOR` (the benchmarks'
-  experiment); values and gradients are the same either way."""
+  is known to run in) unless `_cudnn.PERSISTENT_BATCH_MAJOR` names the calls
+  that take it as it is (the benchmarks' experiment); values and gradients are
+  the same either way."""
   monkeypatch.setenv(_cudnn.ALGORITHM_ENV, policy)
   monkeypatch.setattr(_cudnn, "PERSISTENT_BATCH_MAJOR", persistent_batch_major)
   spec = cls(2, 6, 3, direction="bidirectional")
@@ -203,8 +204,20 @@ def test_batch_major_data_is_sequence_major_under_the_persistent_algorithm(
   inference = jax.jit(lambda x: call(spec, x, h, c, params, is_training=False,
                                      time_major=False, implementation="cudnn")[0])(x)
   np.testing.assert_allclose(inference, y_ref, rtol=1e-5, atol=1e-6)
-  batch_major = {policy == "standard" or persistent_batch_major}
-  assert handlers.batch_major == {t: batch_major for t in _cudnn.TARGETS}, handlers.batch_major
+  as_given = policy == "standard" or persistent_batch_major == "all"
+  assert handlers.batch_major == {
+      t: {as_given or (persistent_batch_major == "inference"
+                       and t == "jcr_rnn_forward_inference")}
+      for t in _cudnn.TARGETS}, handlers.batch_major
+
+
+def test_persistent_batch_major_must_be_a_choice(handlers, monkeypatch):
+  monkeypatch.setattr(_cudnn, "PERSISTENT_BATCH_MAJOR", True)
+  spec = jcr.CudnnGRU(1, 6, 3)
+  x, h, _, params = _inputs(spec, 5, 3, time_major=False)
+  with pytest.raises(ValueError, match="PERSISTENT_BATCH_MAJOR must be one of none, inference, "
+                                       "all; got True"):
+    spec(x, h, params, time_major=False, implementation="cudnn")
 
 
 def test_vmap_of_gradients(handlers):
