@@ -115,8 +115,8 @@ def test_tf1_checkpoint_reading():
 
 
 def test_export_for_cpu_and_cuda(sizes):
-  """The block's export for CUDA is lowered on this CPU with the handler
-  model's sizes (conftest's `sizes`), its cuDNN calls not run."""
+  """The block's export for CUDA is lowered with the handler model's sizes
+  (conftest's `sizes`); on a CPU its cuDNN calls are not run, on a GPU they are."""
   pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
   from jax import export
   spec = jcr.CudnnGRU(2, 6, 3)
@@ -130,7 +130,7 @@ def test_export_for_cpu_and_cuda(sizes):
            else contextlib.nullcontext())
   with stops:
     _run("export", ns)
-  got = export.deserialize(ns["blob"]).call(x, params)  # its last line, on the CPU
+  got = export.deserialize(ns["blob"]).call(x, params)  # its last line, on this device
   assert _cudnn.in_compiled(ns["exported"].mlir_module())
   want = spec(x, None, params, is_training=False, implementation="xla")[0]
   assert relative_error(got, want) < CROSS_TOL  # on a GPU, cuDNN's against XLA's
