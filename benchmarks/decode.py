@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -40,6 +41,8 @@ import sys
 
 import jax
 import jax.numpy as jnp
+
+from jax_cudnn_rnn import _cudnn
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import run as grid_run  # noqa: E402  (benchmarks/run.py: timing, versions, CPU description)
@@ -104,7 +107,9 @@ def _patterns(one, steps: int, params, x, state) -> dict:
           "eager": lambda: jax.block_until_ready(one(params, x, state))}
 
 
-def ours(shape: Shape, steps: int, implementation: str) -> dict:
+def ours(shape: Shape, steps: int, implementation: str, algorithm: str | None = None) -> dict:
+  """`algorithm`: a cuDNN algorithm policy (`_cudnn.ALGORITHM_POLICIES`) for every call,
+  else the environment's."""
   spec = shape.spec()
   params = spec.init_params(jax.random.key(0))
   x, proj = _inputs(shape)
@@ -116,7 +121,18 @@ def ours(shape: Shape, steps: int, implementation: str) -> dict:
     y, h, c = out if len(out) == 3 else (*out, None)  # a GRU returns (y, h)
     return jnp.tanh(y[0] @ proj), (h, c)
 
-  return _patterns(one, steps, params, x, state)
+  patterns = _patterns(one, steps, params, x, state)
+  if algorithm is None:
+    return patterns
+  # The policy is read when a call is traced, and by an eager call when it is
+  # dispatched: each call runs under it.
+  return {name: functools.partial(_under_policy, algorithm, call)
+          for name, call in patterns.items()}
+
+
+def _under_policy(algorithm: str, call):
+  with grid_run._environment(_cudnn.ALGORITHM_ENV, algorithm):
+    return call()
 
 
 def flax_cells(shape: Shape, steps: int) -> dict:
@@ -169,6 +185,12 @@ def contenders(shape: Shape, steps: int, gpu: bool, have_torch: bool) -> dict:
          "flax-cells": lambda: flax_cells(shape, steps)}
   if gpu:
     out["ours-cudnn"] = lambda: ours(shape, steps, "cudnn")
+    inference, _ = _cudnn.choose_algorithms(shape.spec(), has_seq_lengths=False)
+    if inference == _cudnn.ALGORITHMS["persist_static_small_h"]:
+      # A one-step call under the persistent algorithm, which loads the weights for each
+      # call, against the standard one: on an H100 a cuDNN step cost 56-130 us in the
+      # loop, Flax's cells 10-26 (session 46 in NOTES.md).
+      out["ours-cudnn-standard"] = lambda: ours(shape, steps, "cudnn", algorithm="standard")
   if have_torch:
     out["torch"] = lambda: torch_module(shape, "cuda" if gpu else "cpu")
   return out

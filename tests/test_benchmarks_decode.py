@@ -28,7 +28,7 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys)
   tiny = [decode.Shape("lstm", 2, 3, 4, 2), decode.Shape("gru", 1, 3, 4, 1)]
   monkeypatch.setattr(decode, "shapes", lambda quick: tiny)
   if as_gpu:
-    HandlerModel().install(monkeypatch.setattr)
+    model = HandlerModel().install(monkeypatch.setattr)
   assert decode.main(["--quick", "--repeats", "2", "--warmup", "1", "--steps", "3",
                       "--out-dir", str(tmp_path), "--machine", "test"]) == 0
   printed = capsys.readouterr().out
@@ -41,8 +41,10 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys)
   assert {"jax", "numpy", "cudnn", "commit"} <= set(record["versions"])
   patterns = ("loop", "step", "eager")
   timed = {(impl, pattern) for impl in ("ours-xla", "flax-cells") for pattern in patterns}
-  if as_gpu:
-    timed |= {("ours-cudnn", pattern) for pattern in patterns}
+  if as_gpu:  # at these sizes "auto" gives a step the persistent algorithm: the standard beside
+    timed |= {(impl, pattern) for impl in ("ours-cudnn", "ours-cudnn-standard")
+              for pattern in patterns}
+    assert model.algorithms == {"jcr_rnn_forward_inference": {0, 3}}, model.algorithms
   if has_torch() and not as_gpu:
     timed |= {("torch", "step"), ("torch", "eager")}
   if has_torch() and as_gpu:  # this CPU has no CUDA: reported, and the run goes on
