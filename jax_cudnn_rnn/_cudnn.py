@@ -646,27 +646,25 @@ def _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major):
   """
   infer, train = (call_config(spec, time_major, has_lengths, training=t) for t in (False, True))
   if infer != train:  # the inference call's layout differs from the derivative's
-    return _inference_in_its_own_layout(spec, has_lengths, x, h0, c0, params, lengths)
-  return _run_in(spec, train, x, h0, c0, params, lengths, has_lengths, time_major)
+    return _inference_in_its_own_layout(spec, infer, train, x, h0, c0, params, lengths)
+  return _run_in(spec, train, x, h0, c0, params, lengths, time_major)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _inference_in_its_own_layout(spec, has_lengths, x, h0, c0, params, lengths):
-  """Batch-major data: the inference call's layout (as given) for the value, and
-  the derivative's (sequence-major) for the forward of a derivative and its
-  backward, when `call_config` gives the two calls different layouts."""
-  cfg = call_config(spec, False, has_lengths, training=False)
-  return _run_in(spec, cfg, x, h0, c0, params, lengths, has_lengths, False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _inference_in_its_own_layout(spec, infer, train, x, h0, c0, params, lengths):
+  """Batch-major data in the inference call's configuration `infer` (as given)
+  for the value, and in the derivative's, `train` (sequence-major), for the
+  forward of a derivative and its backward."""
+  return _run_in(spec, infer, x, h0, c0, params, lengths, time_major=False)
 
 
-def _inference_in_its_own_layout_fwd(spec, has_lengths, x, h0, c0, params, lengths):
-  cfg = call_config(spec, False, has_lengths, training=True)
-  run = lambda x, h0, c0, params: _run_in(spec, cfg, x, h0, c0, params, lengths, has_lengths,
-                                          False)
+def _inference_in_its_own_layout_fwd(spec, infer, train, x, h0, c0, params, lengths):
+  run = lambda x, h0, c0, params: _run_in(spec, train, x, h0, c0, params, lengths,
+                                          time_major=False)
   return jax.vjp(run, x, h0, c0, params)  # the vjp function (a pytree) is the residual
 
 
-def _inference_in_its_own_layout_bwd(spec, has_lengths, vjp, cotangents):
+def _inference_in_its_own_layout_bwd(spec, infer, train, vjp, cotangents):
   return (*vjp(cotangents), None)
 
 
@@ -674,12 +672,12 @@ _inference_in_its_own_layout.defvjp(_inference_in_its_own_layout_fwd,
                                     _inference_in_its_own_layout_bwd)
 
 
-def _run_in(spec, cfg, x, h0, c0, params, lengths, has_lengths, time_major):
+def _run_in(spec, cfg, x, h0, c0, params, lengths, time_major):
   """`_run_fused` in `cfg`'s layout: batch-major data (`time_major` False) is
   transposed to sequence-major around the call where `cfg` is sequence-major."""
   if not time_major and not cfg.batch_major:  # batch-major data, run sequence-major
-    y, h, c = _run_in(spec, Config.of(spec, True, has_lengths), jnp.swapaxes(x, 0, 1), h0, c0,
-                      params, lengths, has_lengths, time_major=True)
+    y, h, c = _run_in(spec, cfg, jnp.swapaxes(x, 0, 1), h0, c0, params, lengths,
+                      time_major=True)
     return jnp.swapaxes(y, 0, 1), h, c
   order = cudnn_order(spec)
   if order is not None:
