@@ -204,13 +204,15 @@ def _lanes(mode, B, T, H, *, dtype=jnp.float32, directions=1):
 
 def test_forward_lanes_rule(monkeypatch):
   """Two lanes where the one direction's recurrent matrix has more than 256 KiB
-  and at most 1 MiB, multiplied in float32 (float32 and float16 models), from 8
+  and at most 2 MiB, multiplied in float32 (float32 and float16 models), from 8
   sequences and 32 steps, on a single CPU device; else one."""
   two = [("lstm", 16, 256, 256), ("gru", 16, 256, 256), ("rnn_tanh", 16, 256, 512),
          ("rnn_relu", 16, 256, 512), ("lstm", 8, 32, 256), ("lstm", 256, 32, 256),
-         ("gru", 8, 64, 192), ("lstm", 9, 64, 160)]
+         ("gru", 8, 64, 192), ("lstm", 9, 64, 160), ("gru", 16, 256, 384),
+         ("lstm", 16, 256, 320), ("rnn_tanh", 16, 256, 724)]
   one = [("lstm", 16, 256, 128), ("lstm", 16, 256, 512), ("gru", 16, 256, 128),
          ("rnn_tanh", 16, 256, 256), ("gru", 16, 256, 1024), ("lstm", 4, 256, 256),
+         ("lstm", 16, 256, 384), ("rnn_tanh", 16, 256, 725),
          ("lstm", 7, 256, 256), ("lstm", 16, 31, 256), ("lstm", 16, 1, 256)]
   assert [_lanes(*case) for case in two] == [2] * len(two)
   assert [_lanes(*case) for case in one] == [1] * len(one)
@@ -280,6 +282,29 @@ def test_forward_in_lanes_matches_reference(cls, B, input_mode, with_lengths, la
   xs = jnp.stack([x, 2 * x])
   vmapped = jax.vmap(lambda x: run(_xla.rnn, x)[0])(xs)
   _assert_close(vmapped, jnp.stack([run(_reference.rnn, a)[0] for a in xs]))
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("input_mode", ["linear_input", "skip_input"])
+def test_forward_in_lanes_projects_the_whole_batch(cls, input_mode, lanes_everywhere):
+  """In two lanes, each chunk's inputs are projected in one matmul over the
+  whole batch (`[chunk, 5, in]`, not one per lane), whose result the lanes'
+  steps read in parts; each step multiplies each lane's state (2 and 3
+  sequences)."""
+  spec, (x, h, c, params) = _setup(cls, 1, "unidirectional", input_mode, T=32, B=5)
+  chunk = _xla.chunk_steps(32, _xla.inference_chunk(spec.rnn_mode, 32, lanes=2))
+  jaxpr = jax.make_jaxpr(lambda x: _xla.rnn(spec, x, h, c, params))(x)
+  scan, = [eqn for eqn in jaxpr_equations(jaxpr) if eqn.primitive.name == "scan"]
+  lhs = [eqn.invars[0].aval.shape for eqn in jaxpr_equations(scan.params["jaxpr"])
+         if eqn.primitive.name == "dot_general"]
+  projections = [] if input_mode == "skip_input" else [(chunk, 5, spec.input_size)]
+  assert [s for s in lhs if len(s) == 3] == projections
+  assert sorted(s for s in lhs if len(s) == 2) == [(2, spec.num_units)] * chunk + [
+      (3, spec.num_units)] * chunk
+  for a, b in zip(jax.jit(lambda x: _xla.rnn(spec, x, h, c, params))(x),
+                  _reference.rnn(spec, x, h, c, params)):
+    if b is not None:
+      _assert_close(a, b)
 
 
 @pytest.mark.parametrize("cls,T,B,trips,carries", [
