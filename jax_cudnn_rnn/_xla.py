@@ -282,22 +282,17 @@ def chunk_steps(steps: int, target: int = INFERENCE_CHUNK) -> int:
   return min(divisors, key=lambda k: (abs(k - target), k))
 
 
-def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk, lanes=1):
+def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk):
   """`_reference.forward_scan`, with the input projection made for `chunk`
   steps at once: a scan over chunks, each projecting its `[chunk, B, in]`
   inputs in one matmul and then running its steps unrolled. Same arguments
-  and results; `chunk` divides the number of steps. With `lanes` > 1
-  (`_forward_in_lanes`), `xs` holds each direction's whole batch and the
-  other arguments are per lane: a chunk's inputs are projected for the whole
-  batch, in one matmul, and the result cut into the lanes' parts."""
+  and results; `chunk` divides the number of steps."""
   T, g = xs[0].shape[0], _spec.NUM_GATES[mode]
   in_bias = _reference.input_bias(mode, bW, bR)
-  by_direction = lambda t: None if t is None else t[::lanes]
 
   def chunk_step(carry, inputs):
     x_c, valid_c = inputs
-    xps = _reference.project_inputs(x_c, by_direction(W), by_direction(in_bias), g, matmul)
-    xps = _cut_batch(xps, lanes, axis=1)
+    xps = _reference.project_inputs(x_c, W, in_bias, g, matmul)
     steps = []
     for k in range(chunk):
       hs, cs, outs, res = _reference.recurrent_step(
@@ -313,16 +308,6 @@ def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk, la
       chunk_step, carry0, (tuple(split(x) for x in xs), jax.tree.map(split, valid)))
   merge = lambda a: a.reshape((T,) + a.shape[2:])
   return jax.tree.map(merge, ys), hT, cT, jax.tree.map(merge, res)
-
-
-def _cut_batch(t, lanes: int, axis: int):
-  """Each array of the tuple `t` cut into `lanes` parts along its batch
-  `axis`, the parts of one array next to each other (None stays None)."""
-  if t is None or lanes == 1:
-    return t
-  return tuple(part for a in t
-               for part in jnp.split(a, [a.shape[axis] * k // lanes for k in range(1, lanes)],
-                                     axis))
 
 
 def operand_dtype(dtype) -> np.dtype | None:
@@ -374,9 +359,8 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   """The forward recurrence over this file's cells (`_reference.forward_scan`
   or, where the number of steps allows, `_chunked_scan`); `res` holds the
   coefficients stacked over time when `coefficients`, else empty tuples.
-  `operands`: `operand_dtype` of the model; `lanes`: how many lanes each
-  direction's batch runs in (`_forward_in_lanes`): `xs` then holds each
-  direction's whole batch, the other arguments are per lane."""
+  `operands`: `operand_dtype` of the model; `lanes`: how many lanes of one
+  batch `xs` holds (`_forward_in_lanes`), for the chunk length."""
   cell = functools.partial(_CELLS[mode], coefficients=coefficients)
   _, matmul, round_ = _products(operands)
   W = None if W is None else tuple(round_(w) for w in W)
@@ -394,9 +378,8 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   target = DERIVATIVE_CHUNK if coefficients else inference_chunk(mode, steps, lanes)
   chunk = chunk_steps(steps, target)
   if chunk == 1:
-    return _reference.forward_scan(mode, cell, _cut_batch(xs, lanes, axis=1), valid, h0, c0, W,
-                                   R, bW, bR, matmul)
-  return _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk, lanes)
+    return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul)
+  return _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk)
 
 
 # -- the forward alone in lanes ------------------------------------------------------
@@ -416,32 +399,24 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 #   B32 T100 I256 H256, 3 layers: LSTM 60.5 -> 51.3, GRU 55.0 -> 38.5;
 #   B8 T256 I128 H256: LSTM 23.6 -> 17.8, GRU 14.1 -> 11.3; GRU B8 T32 2.24 -> 1.59;
 #   LSTM B256 T32 I128 H256 38.0 -> 34.7; RNN-tanh B16 T256 I128 H512 24.4 -> 21.3.
-# Each chunk's inputs are projected for the whole batch in one matmul, which
-# XLA:CPU spreads over both cores, and the lanes read their parts of it: one
-# projection per lane ran the lanes' products one after the other. On a
-# 2-core Zen 5, forward, float32, ms, per-lane projections -> one (two to
-# three interleaved runs): LSTM B16 T256 I128 H256 13.3 / 13.0 / 12.8 -> 12.5
-# / 12.4 / 12.4, B64 T32 4.8-5.4 -> 4.7-5.1 (once 6.3 -> 6.5), 3 layers B32
-# T100 I256 33.2-35.1 -> 32.7-34.2, B8 T256 and B16 T32 within 1%; GRU B8 T256
-# 4.9-5.4 -> 4.6-5.0, B16 T64 H192 1.57-1.70 -> 1.42-1.60, 3 layers 23.1-24.3
-# -> 22.8-23.4, but B64 T32 3.5-3.8 -> 3.7-4.2 and B16 T256 within 4% either
-# way (benchmarks/NOTES.md, session 47).
 # Not where the recurrent matrix is small or large (its bytes outside
 # `LANE_WEIGHT_BYTES`): LSTM B16 T256 H128 12.0 -> 12.5, B16 T32 I64 H128 1.44
 # -> 1.50; H512 (4 MiB, more than a core's 2 MiB L2 cache) B16 T128 48.6 ->
 # 56.5, GRU 35.0 -> 38.2, LSTM B64 T64 72.8 -> 76.2; GRU H1024 152.7 -> 154.9.
-# (On the Zen 5, with the projection over the whole batch, H128 went both
-# ways: LSTM B16 T256 6.1 -> 4.3 and B32 T100 4.6 -> 3.4, but B16 T64 1.59 ->
-# 1.79 and B8 0.42 -> 0.44; GRU B32 T100 3.4 -> 2.8, B16 T64 1.38 -> 1.48.)
-# Up to 2 MiB since session 47, from the Zen 5's gains over 1 MiB (its cores
-# have 1 MiB of L2 each), ms: GRU H384 (1.7 MiB) B16 T256 25.1 -> 17.5, B8
-# T256 13.4 -> 10.0, B64 T32 8.3 -> 6.9, B32 T100 I256 20.5 -> 15.1 (there
-# one lane was slower than Flax's scan: 19.3, 9.0, 6.9, 22.0); LSTM H320
-# (1.6 MiB) B16 T256 25.7 -> 17.6, B64 T32 10.2 -> 7.4, B8 T256 15.1 -> 12.2;
-# RNN-tanh H640 (1.6 MiB) B16 T256 20.9 -> 14.8, B8 T256 10.5 -> 7.4;
-# RNN-relu H640 B16 T256 17.9 -> 13.2, B64 T32 6.0 -> 5.8. Beyond: LSTM H384
-# (2.25 MiB) B16 T256 19.6 -> 19.9; GRU H512 (3 MiB) B16 T128 12.5 -> 12.0.
-# Not measured in (1, 2] MiB on the Xeon, whose cores have 2 MiB of L2.
+# The window's top was 1 MiB until session 47. On a 2-core Zen 5 (1 MiB of L2
+# a core) two lanes gained above it too, forward, float32, ms, one lane ->
+# two: GRU H384 (1.7 MiB) B16 T256 I128 19.2 -> 16.9, B8 T256 13.3 -> 9.9, B64
+# T32 7.9 -> 6.9, B32 T100 I256 16.4 -> 13.6 (one lane was slower than Flax's
+# scan there); LSTM H320 (1.6 MiB) B16 T256 20.8 -> 16.8, B64 T32 8.4 -> 7.0,
+# B8 T256 11.5 -> 10.4; RNN-tanh H640 (1.6 MiB) B16 T256 20.9 -> 15.9, B8 T256
+# 12.7 -> 9.4; RNN-relu H640 B16 T256 18.8 -> 14.0, B64 T32 6.4 -> 6.3. Beyond
+# 2 MiB, LSTM H384 (2.25 MiB) B16 T256 20.5 -> 20.6, GRU H512 (3 MiB) B16 T128
+# 13.0 -> 12.5. Not measured in (1, 2] MiB on the Xeon (2 MiB of L2 a core).
+# Each lane projects its own part of a chunk's inputs. One projection of the
+# whole batch, cut into the lanes' parts after, ran 0-10% faster (LSTM, GRU
+# at small batch; a GRU at B64 up to 7% slower) but compiled the forward in
+# 1.3-1.7x the time (XLA:CPU compiles a kernel per lane for step fusions that
+# read one shared buffer at different offsets; sessions 43 and 47).
 # Nor for a bidirectional layer (two recurrences already: 2 layers B32 T64
 # I256 H256 in four lanes, LSTM 59.2 -> 67.8, GRU 42.3 -> 46.5), nor for
 # bfloat16 operands (`operand_dtype`), whose products are quick on that
@@ -484,13 +459,15 @@ def forward_lanes(operands, xs, R) -> int:
 def _forward_in_lanes(mode, operands, lanes, xs, valid, h0, c0, W, R, bW, bR):
   """`_forward` without coefficients, each direction's batch cut into `lanes`
   parts that run as directions of their own (each with its part of the
-  `valid` mask), joined after. The inputs stay whole: `_chunked_scan`
-  projects them for the whole batch and cuts the projection."""
-  valid = None if valid is None else _cut_batch((valid,) * len(xs), lanes, axis=1)
+  `valid` mask), joined after."""
+  B = xs[0].shape[1]
+  cuts = [B * k // lanes for k in range(1, lanes)]
+  cut = lambda t, axis: None if t is None else tuple(
+      part for a in t for part in jnp.split(a, cuts, axis))
   each = lambda t: None if t is None else tuple(a for a in t for _ in range(lanes))
-  ys, hT, cT, _ = _forward(mode, operands, xs, valid, _cut_batch(h0, lanes, axis=0),
-                           _cut_batch(c0, lanes, axis=0), each(W), each(R), each(bW), each(bR),
-                           coefficients=False, lanes=lanes)
+  valid = None if valid is None else cut((valid,) * len(xs), 1)
+  ys, hT, cT, _ = _forward(mode, operands, cut(xs, 1), valid, cut(h0, 0), cut(c0, 0), each(W),
+                           each(R), each(bW), each(bR), coefficients=False, lanes=lanes)
   join = lambda t, axis: None if t is None else tuple(
       jnp.concatenate(t[d * lanes:(d + 1) * lanes], axis) for d in range(len(xs)))
   return join(ys, 1), join(hT, 0), join(cT, 0)

@@ -284,29 +284,6 @@ def test_forward_in_lanes_matches_reference(cls, B, input_mode, with_lengths, la
   _assert_close(vmapped, jnp.stack([run(_reference.rnn, a)[0] for a in xs]))
 
 
-@pytest.mark.parametrize("cls", SPEC_CLASSES)
-@pytest.mark.parametrize("input_mode", ["linear_input", "skip_input"])
-def test_forward_in_lanes_projects_the_whole_batch(cls, input_mode, lanes_everywhere):
-  """In two lanes, each chunk's inputs are projected in one matmul over the
-  whole batch (`[chunk, 5, in]`, not one per lane), whose result the lanes'
-  steps read in parts; each step multiplies each lane's state (2 and 3
-  sequences)."""
-  spec, (x, h, c, params) = _setup(cls, 1, "unidirectional", input_mode, T=32, B=5)
-  chunk = _xla.chunk_steps(32, _xla.inference_chunk(spec.rnn_mode, 32, lanes=2))
-  jaxpr = jax.make_jaxpr(lambda x: _xla.rnn(spec, x, h, c, params))(x)
-  scan, = [eqn for eqn in jaxpr_equations(jaxpr) if eqn.primitive.name == "scan"]
-  lhs = [eqn.invars[0].aval.shape for eqn in jaxpr_equations(scan.params["jaxpr"])
-         if eqn.primitive.name == "dot_general"]
-  projections = [] if input_mode == "skip_input" else [(chunk, 5, spec.input_size)]
-  assert [s for s in lhs if len(s) == 3] == projections
-  assert sorted(s for s in lhs if len(s) == 2) == [(2, spec.num_units)] * chunk + [
-      (3, spec.num_units)] * chunk
-  for a, b in zip(jax.jit(lambda x: _xla.rnn(spec, x, h, c, params))(x),
-                  _reference.rnn(spec, x, h, c, params)):
-    if b is not None:
-      _assert_close(a, b)
-
-
 @pytest.mark.parametrize("cls,T,B,trips,carries", [
     (jcr.CudnnLSTM, 64, 3, 4, 4), (jcr.CudnnLSTM, 64, 1, 8, 2), (jcr.CudnnGRU, 64, 3, 4, 2),
     (jcr.CudnnLSTM, 32, 3, 2, 4), (jcr.CudnnRNNRelu, 48, 3, 3, 2), (jcr.CudnnRNNTanh, 32, 1, 4, 1),
