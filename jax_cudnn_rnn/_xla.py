@@ -406,9 +406,9 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 # The window's top was 1 MiB until session 47. On a 2-core Zen 5 (1 MiB of L2
 # a core) two lanes gained above it too, forward, float32, ms, one lane ->
 # two: GRU H384 (1.7 MiB) B16 T256 I128 19.2 -> 16.9, B8 T256 13.3 -> 9.9, B64
-# T32 7.9 -> 6.9, B32 T100 I256 16.4 -> 13.6 (one lane was slower than Flax's
-# scan there); LSTM H320 (1.6 MiB) B16 T256 20.8 -> 16.8, B64 T32 8.4 -> 7.0,
-# B8 T256 11.5 -> 10.4; RNN-tanh H640 (1.6 MiB) B16 T256 20.9 -> 15.9, B8 T256
+# T32 7.9 -> 6.9 (at these three one lane was slower than Flax's scan), B32
+# T100 I256 16.4 -> 13.6; LSTM H320 (1.6 MiB) B16 T256 20.8 -> 16.8, B64 T32
+# 8.4 -> 7.0, B8 T256 11.5 -> 10.4; RNN-tanh H640 (1.6 MiB) B16 T256 20.9 -> 15.9, B8 T256
 # 12.7 -> 9.4; RNN-relu H640 B16 T256 18.8 -> 14.0, B64 T32 6.4 -> 6.3. Beyond
 # 2 MiB, LSTM H384 (2.25 MiB) B16 T256 20.5 -> 20.6, GRU H512 (3 MiB) B16 T128
 # 13.0 -> 12.5. Not measured in (1, 2] MiB on the Xeon (2 MiB of L2 a core).
