@@ -403,20 +403,6 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 # `LANE_WEIGHT_BYTES`): LSTM B16 T256 H128 12.0 -> 12.5, B16 T32 I64 H128 1.44
 # -> 1.50; H512 (4 MiB, more than a core's 2 MiB L2 cache) B16 T128 48.6 ->
 # 56.5, GRU 35.0 -> 38.2, LSTM B64 T64 72.8 -> 76.2; GRU H1024 152.7 -> 154.9.
-# The window's top was 1 MiB until session 47. On a 2-core Zen 5 (1 MiB of L2
-# a core) two lanes gained above it too, forward, float32, ms, one lane ->
-# two: GRU H384 (1.7 MiB) B16 T256 I128 19.2 -> 16.9, B8 T256 13.3 -> 9.9, B64
-# T32 7.9 -> 6.9 (at these three one lane was slower than Flax's scan), B32
-# T100 I256 16.4 -> 13.6; LSTM H320 (1.6 MiB) B16 T256 20.8 -> 16.8, B64 T32
-# 8.4 -> 7.0, B8 T256 11.5 -> 10.4; RNN-tanh H640 (1.6 MiB) B16 T256 20.9 -> 15.9, B8 T256
-# 12.7 -> 9.4; RNN-relu H640 B16 T256 18.8 -> 14.0, B64 T32 6.4 -> 6.3. Beyond
-# 2 MiB, LSTM H384 (2.25 MiB) B16 T256 20.5 -> 20.6, GRU H512 (3 MiB) B16 T128
-# 13.0 -> 12.5. Not measured in (1, 2] MiB on the Xeon (2 MiB of L2 a core).
-# Each lane projects its own part of a chunk's inputs. One projection of the
-# whole batch, cut into the lanes' parts after, ran 0-10% faster (LSTM, GRU
-# at small batch; a GRU at B64 up to 7% slower) but compiled the forward in
-# 1.3-1.7x the time (XLA:CPU compiles a kernel per lane for step fusions that
-# read one shared buffer at different offsets; sessions 43 and 47).
 # Nor for a bidirectional layer (two recurrences already: 2 layers B32 T64
 # I256 H256 in four lanes, LSTM 59.2 -> 67.8, GRU 42.3 -> 46.5), nor for
 # bfloat16 operands (`operand_dtype`), whose products are quick on that
@@ -429,6 +415,21 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 # 81, but GRU B64 T32 28 -> 29, GRU 3 layers 201 -> 213, the bfloat16 GRU 59
 # -> 71). On one CPU (`taskset -c 0`), two lanes ran as fast as one. The
 # forward compiles in up to 1.3x the time (3 layers, LSTM 0.52 -> 0.66 s).
+# The window's top was 1 MiB until session 47. On a 2-core Zen 5 (1 MiB of L2
+# a core) two lanes gained above it too, forward, float32, ms, one lane ->
+# two: GRU H384 (1.7 MiB) B16 T256 I128 19.2 -> 16.9, B8 T256 13.3 -> 9.9, B64
+# T32 7.9 -> 6.9 (at these three one lane was slower than Flax's scan), B32
+# T100 I256 16.4 -> 13.6; LSTM H320 (1.6 MiB) B16 T256 20.8 -> 16.8, B64 T32
+# 8.4 -> 7.0, B8 T256 11.5 -> 10.4; RNN-tanh H640 (1.6 MiB) B16 T256 20.9 ->
+# 15.9, B8 T256 12.7 -> 9.4; RNN-relu H640 B16 T256 18.8 -> 14.0, B64 T32 6.4
+# -> 6.3. Beyond 2 MiB, LSTM H384 (2.25 MiB) B16 T256 20.5 -> 20.6, GRU H512
+# (3 MiB) B16 T128 13.0 -> 12.5. Not measured in (1, 2] MiB on the Xeon (2 MiB
+# of L2 a core).
+# Each lane projects its own part of a chunk's inputs. One projection of the
+# whole batch, cut into the lanes' parts after, ran 0-10% faster (LSTM, GRU at
+# small batch; a GRU at B64 up to 7% slower) but compiled the forward in
+# 1.3-1.7x the time (XLA:CPU compiles a kernel per lane for step fusions that
+# read one shared buffer at different offsets; sessions 43 and 47).
 LANES = 2
 LANE_MIN_BATCH = 8
 LANE_WEIGHT_BYTES = (256 * 1024, 2 * 1024 * 1024)  # (above, at most): one direction's R
