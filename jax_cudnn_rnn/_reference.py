@@ -167,18 +167,24 @@ def input_bias(mode, bW, bR):
   return bW if mode == "gru" else tuple(a + b for a, b in zip(bW, bR))
 
 
-def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul):
+def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul,
+                   joined=False):
   """One step of every direction, given its input pre-activations `xps[d]`
   (with the input bias). `cs` is None without a cell state. `valid_t`: None,
   the step's `[B]` mask for every direction, or a tuple of each direction's
   (`_xla` cuts a batch into lanes that run as directions of their own).
+  `joined`: the "directions" are lanes of one direction's hidden units
+  (`_xla`'s lanes by unit), each with its columns of every gate in `R[d]`,
+  `xps[d]`, `bR[d]`: each multiplies the whole state, its lanes' parts
+  joined, and runs the cell on its own part.
 
   Returns `(hs, cs, outs, res)`, tuples over directions.
   """
   lstm, gru = mode == "lstm", mode == "gru"
+  whole = jnp.concatenate(hs, -1) if joined else None
   new_hs, new_cs, outs, res = [], [], [], []
   for d in range(len(hs)):
-    rec = matmul(hs[d], R[d])
+    rec = matmul(whole if joined else hs[d], R[d])
     if gru:
       rec = rec + lift(bR[d], rec.ndim)
     h, c, r = cell(xps[d], rec, hs[d], cs[d] if lstm else None)
@@ -191,7 +197,8 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul):
   return tuple(new_hs), tuple(new_cs) if lstm else None, tuple(outs), tuple(res)
 
 
-def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul):
+def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
+                 joined=False):
   """The forward recurrence of one layer, all directions in one `lax.scan`.
 
   `xs`, `h0`, `c0`, `R`, `bW`, `bR` (and `W`, unless None: skip_input) are
@@ -199,7 +206,8 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul)
   state; `valid` None, a `[T, B]` mask or a tuple of them (`recurrent_step`).
   `cell(xp, rec, h, c)` returns `(h', c', res)`, `xp` holding the input
   pre-activations with the input bias, `rec` the recurrent ones (with the
-  recurrent bias for GRU only), `res` anything to stack over time.
+  recurrent bias for GRU only), `res` anything to stack over time; `joined`
+  as `recurrent_step`'s.
 
   Returns per-direction tuples `(ys, hT, cT, res)`.
   """
@@ -209,7 +217,8 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul)
   def step(carry, inputs):
     x_t, valid_t = inputs
     xps = project_inputs(x_t, W, in_bias, g, matmul)
-    hs, cs, outs, res = recurrent_step(mode, cell, R, bR, *carry, xps, valid_t, matmul)
+    hs, cs, outs, res = recurrent_step(mode, cell, R, bR, *carry, xps, valid_t, matmul,
+                                       joined)
     return (hs, cs), (outs, res)
 
   carry0 = (tuple(h0), None if c0 is None else tuple(c0))

@@ -282,7 +282,7 @@ def chunk_steps(steps: int, target: int = INFERENCE_CHUNK) -> int:
   return min(divisors, key=lambda k: (abs(k - target), k))
 
 
-def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk):
+def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk, joined=False):
   """`_reference.forward_scan`, with the input projection made for `chunk`
   steps at once: a scan over chunks, each projecting its `[chunk, B, in]`
   inputs in one matmul and then running its steps unrolled. Same arguments
@@ -297,7 +297,7 @@ def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk):
     for k in range(chunk):
       hs, cs, outs, res = _reference.recurrent_step(
           mode, cell, R, bR, *carry, [xp[k] for xp in xps], jax.tree.map(lambda v: v[k], valid_c),
-          matmul)
+          matmul, joined)
       carry = (hs, cs)
       steps.append((outs, res))
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *steps)
@@ -355,12 +355,14 @@ def _opaque_matmul(operands, a: jax.Array, w: jax.Array) -> jax.Array:
   return jax.lax.optimization_barrier(product).T.reshape(a.shape[:-1] + (w.shape[0],))
 
 
-def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lanes=1):
+def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lanes=1,
+             joined=False):
   """The forward recurrence over this file's cells (`_reference.forward_scan`
   or, where the number of steps allows, `_chunked_scan`); `res` holds the
   coefficients stacked over time when `coefficients`, else empty tuples.
   `operands`: `operand_dtype` of the model; `lanes`: how many lanes of one
-  batch `xs` holds (`_forward_in_lanes`), for the chunk length."""
+  direction `xs` holds (`forward_lanes`), for the chunk length; `joined`:
+  whether they are lanes by unit (`_reference.recurrent_step`)."""
   cell = functools.partial(_CELLS[mode], coefficients=coefficients)
   _, matmul, round_ = _products(operands)
   W = None if W is None else tuple(round_(w) for w in W)
@@ -378,8 +380,8 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   target = DERIVATIVE_CHUNK if coefficients else inference_chunk(mode, steps, lanes)
   chunk = chunk_steps(steps, target)
   if chunk == 1:
-    return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul)
-  return _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk)
+    return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, joined)
+  return _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk, joined)
 
 
 # -- the forward alone in lanes ------------------------------------------------------
@@ -430,38 +432,68 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 # small batch; a GRU at B64 up to 7% slower) but compiled the forward in
 # 1.3-1.7x the time (XLA:CPU compiles a kernel per lane for step fusions that
 # read one shared buffer at different offsets; sessions 43 and 47).
+# Lanes by unit. Below `LANE_MIN_BATCH` sequences, where lanes by batch do not
+# run, an LSTM's or GRU's recurrent matrix of at least
+# `UNIT_LANE_MIN_BYTES` (more than a Zen 5 core's 1 MiB of L2 cache holds)
+# runs in lanes that each take half of every gate's columns (hidden units):
+# each step, both lanes multiply the whole state, their halves joined, by
+# their half of the matrix, and each runs the cell on its own units. Forward,
+# float32, I128, ms, one lane -> by unit, in one process (two runs where two
+# figures; benchmarks/NOTES.md, session 48):
+#   LSTM T128 H256 (1 MiB) B2 2.11 / 2.02 -> 1.51 / 1.55, B4 2.86 / 2.51 ->
+#   1.86 / 1.70; H288 B4 3.96 / 3.89 -> 1.99 / 1.91; H320 B4 4.44 / 4.00 ->
+#   2.66 / 2.55; H352 B4 2.68 / 3.17 / 3.27 -> 2.85 / 2.80 / 2.85; H384 B4
+#   4.74 / 6.43 -> 4.06 / 5.77; H512 B4 8.65 / 11.34 -> 8.08 / 9.39; T256
+#   H768 B4 31.6 -> 25.4; T48 H256 B2 0.84 -> 0.74;
+#   GRU T128 H336 B4 2.66 / 2.56 -> 2.06 / 2.00; H384 B2 4.05 / 3.90 -> 2.40 /
+#   2.21, B4 6.60 / 4.79 -> 4.25 / 2.44; T32 H384 B4 1.35 / 1.19 -> 1.03 /
+#   0.92; H512 B4 5.58 / 5.56 -> 5.70 / 5.38.
+# Some short sequences lost: LSTM T32 I64 H256 B4 0.67 / 0.65 -> 0.72 / 0.69,
+# T32 H512 B4 2.57 / 2.91 -> 3.13 / 2.77. GRU H304-H320 lost (B4 H320 2.08 /
+# 2.03 / 2.11 -> 2.37 / 2.41 / 2.31, H304 2.11 -> 2.54), hence the GRU's
+# higher bound, and below 1 MiB the LSTM lost (H192 B4 1.23 / 1.28 -> 1.64 /
+# 1.77). From 8 sequences lanes by unit against
+# lanes by batch went both ways, by shape more than by size (LSTM B8 H256 4.25
+# / 5.06 -> 3.30 / 4.30 and B16 7.42 / 7.02 -> 5.46 / 5.62, but B8 H288 5.37
+# -> 6.09 and B16 H352 12.05 -> 14.31; GRU B8 H400 6.42 -> 5.36, but H368 6.08
+# -> 7.55), so there lanes stay by batch. Nor for RNN-tanh and RNN-relu, whose
+# one matrix a step went both ways (tanh T128 H512 B4 1.82 -> 1.99, relu H640
+# B4 4.07 -> 3.63). Measured on the Zen 5 alone.
 LANES = 2
 LANE_MIN_BATCH = 8
 LANE_WEIGHT_BYTES = (256 * 1024, 2 * 1024 * 1024)  # (above, at most): one direction's R
+UNIT_LANE_MIN_BYTES = {"lstm": 1024 * 1024, "gru": 1280 * 1024}  # of R; other cells: none
 LANE_DTYPES = frozenset({np.dtype(np.float32)})  # of the products (float16 models': float32)
 
 
-def forward_lanes(operands, xs, R) -> int:
-  """How many lanes the forward alone over `xs` (one layer's inputs, a tuple
-  over directions) cuts its batch into: `LANES` where the comment above says,
-  else 1. `operands`: `operand_dtype` of the model; `R` its recurrent weights
-  in the computation dtype."""
+def forward_lanes(mode, operands, xs, R) -> str | None:
+  """How the forward alone of a `mode` layer over `xs` (its inputs, a tuple
+  over directions) runs in `LANES` lanes: "units" (`_forward_in_unit_lanes`)
+  or "batch" (`_forward_in_batch_lanes`) where the comments above say, else
+  None (one lane). `operands`: `operand_dtype` of the model; `R` its recurrent
+  weights in the computation dtype."""
   steps, batch = xs[0].shape[:2]
   products = R[0].dtype if operands is None else operands
   if len(xs) != 1 or np.dtype(products) not in LANE_DTYPES:
-    return 1
+    return None
   if not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
-    return 1  # symbolic (a shape-polymorphic `jax.export`)
-  if steps < MIN_CHUNKED_STEPS or batch < LANE_MIN_BATCH:
-    return 1
-  low, high = LANE_WEIGHT_BYTES
-  if not low < R[0].size * R[0].dtype.itemsize <= high:
-    return 1
-  if jax.default_backend() != "cpu" or jax.device_count() != 1:
-    return 1
-  return LANES
+    return None  # symbolic (a shape-polymorphic `jax.export`)
+  if steps < MIN_CHUNKED_STEPS or jax.default_backend() != "cpu" or jax.device_count() != 1:
+    return None
+  nbytes = R[0].size * R[0].dtype.itemsize
+  if batch >= LANE_MIN_BATCH:
+    low, high = LANE_WEIGHT_BYTES
+    return "batch" if low < nbytes <= high else None
+  if batch >= LANES and nbytes >= UNIT_LANE_MIN_BYTES.get(mode, np.inf):
+    return "units"
+  return None
 
 
-def _forward_in_lanes(mode, operands, lanes, xs, valid, h0, c0, W, R, bW, bR):
-  """`_forward` without coefficients, each direction's batch cut into `lanes`
+def _forward_in_batch_lanes(mode, operands, xs, valid, h0, c0, W, R, bW, bR):
+  """`_forward` without coefficients, each direction's batch cut into `LANES`
   parts that run as directions of their own (each with its part of the
   `valid` mask), joined after."""
-  B = xs[0].shape[1]
+  B, lanes = xs[0].shape[1], LANES
   cuts = [B * k // lanes for k in range(1, lanes)]
   cut = lambda t, axis: None if t is None else tuple(
       part for a in t for part in jnp.split(a, cuts, axis))
@@ -474,11 +506,35 @@ def _forward_in_lanes(mode, operands, lanes, xs, valid, h0, c0, W, R, bW, bR):
   return join(ys, 1), join(hT, 0), join(cT, 0)
 
 
+def _forward_in_unit_lanes(mode, operands, xs, valid, h0, c0, W, R, bW, bR):
+  """`_forward` without coefficients for one direction, its hidden units cut
+  into `LANES` parts: each lane holds its units' columns of every gate of the
+  weights and biases (its units of the input itself under skip_input, W
+  None) and its units' part of the states, and multiplies the whole state
+  each step (`joined`). The parts are joined after."""
+  (x,), (r,) = xs, R
+  H, g, lanes = r.shape[0], _spec.NUM_GATES[mode], LANES
+  units = [(H * k // lanes, H * (k + 1) // lanes) for k in range(lanes)]
+  columns = lambda a, lo, hi: jnp.concatenate(
+      [a[..., gate * H + lo:gate * H + hi] for gate in range(g)], -1)
+  per_lane = lambda t: None if t is None else tuple(
+      columns(t[0], lo, hi) for lo, hi in units)
+  part = lambda t: None if t is None else tuple(t[0][..., lo:hi] for lo, hi in units)
+  x_lanes = (x,) * lanes if W is not None else part(xs)
+  ys, hT, cT, _ = _forward(mode, operands, x_lanes, valid, part(h0), part(c0), per_lane(W),
+                           per_lane(R), per_lane(bW), per_lane(bR), coefficients=False,
+                           lanes=lanes, joined=True)
+  join = lambda t: None if t is None else (jnp.concatenate(t, -1),)
+  return join(ys), join(hT), join(cT)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _layer(mode, operands, xs, valid, h0, c0, W, R, bW, bR):
-  lanes = forward_lanes(operands, xs, R)
-  if lanes > 1:
-    return _forward_in_lanes(mode, operands, lanes, xs, valid, h0, c0, W, R, bW, bR)
+  lanes = forward_lanes(mode, operands, xs, R)
+  if lanes == "batch":
+    return _forward_in_batch_lanes(mode, operands, xs, valid, h0, c0, W, R, bW, bR)
+  if lanes == "units":
+    return _forward_in_unit_lanes(mode, operands, xs, valid, h0, c0, W, R, bW, bR)
   ys, hT, cT, _ = _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients=False)
   return ys, hT, cT
 

@@ -199,64 +199,128 @@ def _lanes(mode, B, T, H, *, dtype=jnp.float32, directions=1):
   compute = _reference._compute_dtype(np.dtype(dtype))
   xs = (S((T, B, 16), compute),) * directions
   R = (S((H, g * H), compute),) * directions
-  return _xla.forward_lanes(_xla.operand_dtype(dtype), xs, R)
+  return _xla.forward_lanes(mode, _xla.operand_dtype(dtype), xs, R)
 
 
 def test_forward_lanes_rule(monkeypatch):
-  """Two lanes where the one direction's recurrent matrix has more than 256 KiB
-  and at most 2 MiB, multiplied in float32 (float32 and float16 models), from 8
-  sequences and 32 steps, on a single CPU device; else one."""
-  two = [("lstm", 16, 256, 256), ("gru", 16, 256, 256), ("rnn_tanh", 16, 256, 512),
-         ("rnn_relu", 16, 256, 512), ("lstm", 8, 32, 256), ("lstm", 256, 32, 256),
-         ("gru", 8, 64, 192), ("lstm", 9, 64, 160), ("gru", 16, 256, 384),
-         ("lstm", 16, 256, 320), ("rnn_tanh", 16, 256, 724)]
+  """Multiplied in float32 (float32 and float16 models), over 32 steps or more,
+  on a single CPU device: from 8 sequences, lanes by batch where the one
+  direction's recurrent matrix has more than 256 KiB and at most 2 MiB; below
+  8, lanes by unit for an LSTM's of at least 1 MiB or a GRU's of at least
+  1.25 MiB, from 2 sequences; else one lane."""
+  units = [("lstm", 2, 256, 256), ("lstm", 7, 32, 256), ("gru", 4, 64, 384),
+           ("gru", 4, 128, 331), ("lstm", 3, 256, 363), ("gru", 7, 100, 1024),
+           ("lstm", 4, 32, 2048)]
+  batch = [("lstm", 8, 256, 256), ("gru", 16, 256, 256), ("rnn_tanh", 16, 256, 511),
+           ("rnn_relu", 16, 256, 300), ("lstm", 256, 32, 256), ("gru", 8, 64, 192),
+           ("lstm", 9, 64, 160), ("gru", 64, 32, 384), ("lstm", 17, 256, 362),
+           ("gru", 8, 256, 418), ("rnn_tanh", 8, 256, 257), ("rnn_tanh", 16, 256, 724)]
   one = [("lstm", 16, 256, 128), ("lstm", 16, 256, 512), ("gru", 16, 256, 128),
-         ("rnn_tanh", 16, 256, 256), ("gru", 16, 256, 1024), ("lstm", 4, 256, 256),
-         ("lstm", 16, 256, 384), ("rnn_tanh", 16, 256, 725),
-         ("lstm", 7, 256, 256), ("lstm", 16, 31, 256), ("lstm", 16, 1, 256)]
-  assert [_lanes(*case) for case in two] == [2] * len(two)
-  assert [_lanes(*case) for case in one] == [1] * len(one)
-  assert _lanes("lstm", 16, 256, 256, dtype=jnp.float16) == 2
-  assert _lanes("lstm", 16, 256, 256, dtype=jnp.bfloat16) == 1  # bfloat16 products
-  assert _lanes("rnn_tanh", 16, 256, 256, dtype=jnp.float64) == 1  # 512 KiB, float64
-  assert _lanes("lstm", 16, 256, 256, directions=2) == 1
+         ("rnn_tanh", 16, 256, 256), ("gru", 16, 256, 1024), ("lstm", 4, 256, 255),
+         ("lstm", 16, 256, 363), ("gru", 8, 256, 419), ("rnn_tanh", 16, 256, 725),
+         ("lstm", 7, 256, 192), ("gru", 4, 256, 330), ("lstm", 1, 256, 256),
+         ("lstm", 4, 31, 256), ("lstm", 16, 31, 256), ("lstm", 16, 1, 256),
+         ("rnn_relu", 4, 256, 512), ("rnn_tanh", 7, 256, 1024)]
+  assert [_lanes(*case) for case in units] == ["units"] * len(units)
+  assert [_lanes(*case) for case in batch] == ["batch"] * len(batch)
+  assert [_lanes(*case) for case in one] == [None] * len(one)
+  assert _lanes("lstm", 4, 256, 256, dtype=jnp.float16) == "units"
+  assert _lanes("lstm", 16, 256, 256, dtype=jnp.float16) == "batch"
+  assert _lanes("lstm", 16, 256, 256, dtype=jnp.bfloat16) is None  # bfloat16 products
+  assert _lanes("lstm", 4, 256, 256, dtype=jnp.bfloat16) is None
+  assert _lanes("rnn_tanh", 16, 256, 256, dtype=jnp.float64) is None  # 512 KiB, float64
+  assert _lanes("lstm", 16, 256, 256, directions=2) is None
+  assert _lanes("lstm", 4, 256, 256, directions=2) is None
   symbolic_batch, = jax.export.symbolic_shape("b")
-  assert _lanes("lstm", symbolic_batch, 256, 256) == 1
-  with monkeypatch.context() as m:
-    m.setattr(jax, "device_count", lambda: 4)
-    assert _lanes("lstm", 16, 256, 256) == 1
-  with monkeypatch.context() as m:
-    m.setattr(jax, "default_backend", lambda: "gpu")
-    assert _lanes("lstm", 16, 256, 256) == 1
+  assert _lanes("lstm", symbolic_batch, 256, 256) is None
+  for backend, devices in (("cpu", 4), ("gpu", 1)):
+    with monkeypatch.context() as m:
+      m.setattr(jax, "device_count", lambda: devices)
+      m.setattr(jax, "default_backend", lambda: backend)
+      assert _lanes("lstm", 17, 256, 256) is None
+      assert _lanes("lstm", 4, 256, 256) is None
+
+
+def _scan_carry_shapes(jaxpr) -> list[list[tuple]]:
+  """The shapes of the carried values of every `scan` in a jaxpr."""
+  out = []
+  for eqn in jaxpr_equations(jaxpr):
+    if eqn.primitive.name == "scan":
+      start = eqn.params["num_consts"]
+      out.append([v.aval.shape for v in eqn.invars[start:start + eqn.params["num_carry"]]])
+  return out
 
 
 def test_forward_lanes_in_the_program():
   """A model the rule gives two lanes carries each lane's states in its forward
-  loop (LSTM H256: h and c of two lanes), with `seq_lengths` too; its
-  derivative's loops carry one lane's; a bidirectional model's forward carries
-  one lane per direction."""
-  for direction, lengths in (("unidirectional", None),
-                             ("unidirectional", jnp.array([32] * 7 + [5], jnp.int32)),
-                             ("bidirectional", None)):
+  loop, with `seq_lengths` too: LSTM H256 over 4 sequences, h and c of each
+  lane's 128 units; over 18, of each lane's 9 sequences. Its derivative's
+  loops carry one lane's; a bidirectional model's forward carries one lane per
+  direction."""
+  lengths = lambda B: jnp.array([32] * (B - 1) + [5], jnp.int32)
+  for B, direction, with_lengths, lane in (
+      (4, "unidirectional", False, (4, 128)), (4, "unidirectional", True, (4, 128)),
+      (18, "unidirectional", False, (9, 256)), (18, "unidirectional", True, (9, 256)),
+      (8, "bidirectional", False, (8, 256)), (4, "bidirectional", False, (4, 256))):
     spec = jcr.CudnnLSTM(1, 256, 8, direction=direction)
-    x, h, c = (jnp.asarray(a) for a in random_inputs(spec, 32, 8))
+    x, h, c = (jnp.asarray(a) for a in random_inputs(spec, 32, B))
     params = spec.init_params(jax.random.key(0))
-    forward = lambda x: _xla.rnn(spec, x, h, c, params, seq_lengths=lengths)[0]
-    assert _scan_carries(jax.make_jaxpr(forward)(x)) == [4], direction
+    forward = lambda x: _xla.rnn(spec, x, h, c, params,
+                                 seq_lengths=lengths(B) if with_lengths else None)[0]
+    assert _scan_carry_shapes(jax.make_jaxpr(forward)(x)) == [[lane] * 4], (B, direction)
   spec = jcr.CudnnLSTM(1, 256, 8)
-  x, h, c = (jnp.asarray(a) for a in random_inputs(spec, 32, 8))
   params = spec.init_params(jax.random.key(0))
-  grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(_xla.rnn(spec, x, h, c, params)[0])))(x)
-  assert _scan_carries(grad) == [2, 2], _scan_carries(grad)
+  for B in (4, 8):
+    x, h, c = (jnp.asarray(a) for a in random_inputs(spec, 32, B))
+    grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(_xla.rnn(spec, x, h, c, params)[0])))(x)
+    assert _scan_carry_shapes(grad) == [[(B, 256)] * 2] * 2, B
 
 
 @pytest.fixture
 def lanes_everywhere(monkeypatch):
-  """The forward alone in two lanes at any batch of two or more, any weight
-  size, and float64 (for the tests' tolerance)."""
+  """The forward alone in two lanes by batch at any batch of two or more, any
+  weight size, and float64 (for the tests' tolerance)."""
   monkeypatch.setattr(_xla, "LANE_MIN_BATCH", 2)
   monkeypatch.setattr(_xla, "LANE_WEIGHT_BYTES", (0, np.inf))
   monkeypatch.setattr(_xla, "LANE_DTYPES", frozenset({np.dtype(np.float64)}))
+
+
+@pytest.fixture
+def unit_lanes_everywhere(monkeypatch):
+  """The forward alone in two lanes by unit for any cell, weight size and batch
+  of two to seven, and float64."""
+  monkeypatch.setattr(_xla, "UNIT_LANE_MIN_BYTES", {mode: 0 for mode in _xla._CELLS})
+  monkeypatch.setattr(_xla, "LANE_DTYPES", frozenset({np.dtype(np.float64)}))
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("H", [4, 5], ids=["even", "uneven"])
+@pytest.mark.parametrize("input_mode,T,with_lengths", [
+    ("linear_input", 32, True), ("skip_input", 37, False)], ids=["chunks", "steps_skip_input"])
+def test_forward_in_unit_lanes_matches_reference(cls, H, input_mode, T, with_lengths,
+                                                 unit_lanes_everywhere):
+  """Two layers' forward in two lanes by unit (of 2 and 2 units, or 2 and 3),
+  in chunks of steps with `seq_lengths` and step by step (37 steps) under
+  skip_input: every loop carries each lane's part of the states, and the
+  outputs and final states are the reference's; the gradient (one lane) and
+  `vmap` too."""
+  spec = cls(2, H, H if input_mode == "skip_input" else 5, input_mode=input_mode,
+             dtype=jnp.float64)
+  x, h, c = (None if a is None else jnp.asarray(a) for a in random_inputs(spec, T, 3, seed=2))
+  params = spec.init_params(jax.random.key(3))
+  lengths = jnp.array([T, 7, 0], jnp.int32) if with_lengths else None
+  run = lambda rnn, x: rnn(spec, x, h, c, params, seq_lengths=lengths)
+  forward = jax.jit(lambda x: run(_xla.rnn, x))
+  states = [(3, H // 2), (3, H - H // 2)] * (2 if spec.has_cell_state else 1)  # h (, c)
+  assert _scan_carry_shapes(jax.make_jaxpr(forward)(x)) == [states] * 2
+  for a, b in zip(forward(x), run(_reference.rnn, x)):
+    if b is not None:
+      _assert_close(a, b)
+  loss = lambda rnn: lambda x: jnp.sum(jnp.sin(run(rnn, x)[0]))
+  _assert_close(jax.grad(loss(_xla.rnn))(x), jax.grad(loss(_reference.rnn))(x))
+  xs = jnp.stack([x, 2 * x])
+  vmapped = jax.vmap(lambda x: run(_xla.rnn, x)[0])(xs)
+  _assert_close(vmapped, jnp.stack([run(_reference.rnn, a)[0] for a in xs]))
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
