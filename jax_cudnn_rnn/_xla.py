@@ -80,7 +80,10 @@ On a single CPU device, a unidirectional layer's forward alone cuts its batch
 into two lanes that run as directions of their own, side by side, where XLA:CPU
 splitting each small per-step product over its threads gained little
 (`forward_lanes`; LSTM B16 T256 I128 H256 float32 28.2 -> 23.1 ms, GRU 20.6 ->
-14.0; benchmarks/NOTES.md, session 41).
+14.0; benchmarks/NOTES.md, session 41). Below 8 sequences an LSTM's or GRU's
+with a large recurrent matrix runs in two lanes by hidden unit instead, each
+multiplying the whole state by half of every gate's columns (LSTM B4 T128 I128
+H320 4.4 -> 2.7 ms, GRU H384 B2 4.1 -> 2.4; session 48).
 
 How the forward reads the weights. `_reference._layer_params` takes them from
 the opaque buffer's blocks (`_reference.param_blocks`) and transposes them
@@ -452,13 +455,13 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 # T32 H512 B4 2.57 / 2.91 -> 3.13 / 2.77. GRU H304-H320 lost (B4 H320 2.08 /
 # 2.03 / 2.11 -> 2.37 / 2.41 / 2.31, H304 2.11 -> 2.54), hence the GRU's
 # higher bound, and below 1 MiB the LSTM lost (H192 B4 1.23 / 1.28 -> 1.64 /
-# 1.77). From 8 sequences lanes by unit against
-# lanes by batch went both ways, by shape more than by size (LSTM B8 H256 4.25
-# / 5.06 -> 3.30 / 4.30 and B16 7.42 / 7.02 -> 5.46 / 5.62, but B8 H288 5.37
-# -> 6.09 and B16 H352 12.05 -> 14.31; GRU B8 H400 6.42 -> 5.36, but H368 6.08
-# -> 7.55), so there lanes stay by batch. Nor for RNN-tanh and RNN-relu, whose
-# one matrix a step went both ways (tanh T128 H512 B4 1.82 -> 1.99, relu H640
-# B4 4.07 -> 3.63). Measured on the Zen 5 alone.
+# 1.77). From 8 sequences lanes by unit against lanes by batch went both ways,
+# by shape more than by size (LSTM B8 H256 4.25 / 5.06 -> 3.30 / 4.30 and B16
+# 7.42 / 7.02 -> 5.46 / 5.62, but B8 H288 5.37 -> 6.09 and B16 H352 12.05 ->
+# 14.31; GRU B8 H400 6.42 -> 5.36, but H368 6.08 -> 7.55), so there lanes stay
+# by batch. Nor for RNN-tanh and RNN-relu, whose one matrix a step went both
+# ways (tanh T128 H512 B4 1.82 -> 1.99, relu H640 B4 4.07 -> 3.63). Measured
+# on the Zen 5 alone.
 LANES = 2
 LANE_MIN_BATCH = 8
 LANE_WEIGHT_BYTES = (256 * 1024, 2 * 1024 * 1024)  # (above, at most): one direction's R
