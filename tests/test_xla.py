@@ -276,6 +276,20 @@ def test_forward_lanes_in_the_program():
     assert _scan_carry_shapes(grad) == [[(B, 256)] * 2] * 2, B
 
 
+def _assert_lanes_match_reference(run, forward, x):
+  """`forward(x)` (the "xla" path of `run(rnn, x)`, jitted) against the
+  reference's outputs and final states; the gradient of a loss of the outputs
+  (one lane) and `vmap` over two inputs too."""
+  for a, b in zip(forward(x), run(_reference.rnn, x)):
+    if b is not None:
+      _assert_close(a, b)
+  loss = lambda rnn: lambda x: jnp.sum(jnp.sin(run(rnn, x)[0]))
+  _assert_close(jax.grad(loss(_xla.rnn))(x), jax.grad(loss(_reference.rnn))(x))
+  xs = jnp.stack([x, 2 * x])
+  vmapped = jax.vmap(lambda x: run(_xla.rnn, x)[0])(xs)
+  _assert_close(vmapped, jnp.stack([run(_reference.rnn, a)[0] for a in xs]))
+
+
 @pytest.fixture
 def lanes_everywhere(monkeypatch):
   """The forward alone in two lanes by batch at any batch of two or more, any
@@ -313,14 +327,7 @@ def test_forward_in_unit_lanes_matches_reference(cls, H, input_mode, T, with_len
   forward = jax.jit(lambda x: run(_xla.rnn, x))
   states = [(3, H // 2), (3, H - H // 2)] * (2 if spec.has_cell_state else 1)  # h (, c)
   assert _scan_carry_shapes(jax.make_jaxpr(forward)(x)) == [states] * 2
-  for a, b in zip(forward(x), run(_reference.rnn, x)):
-    if b is not None:
-      _assert_close(a, b)
-  loss = lambda rnn: lambda x: jnp.sum(jnp.sin(run(rnn, x)[0]))
-  _assert_close(jax.grad(loss(_xla.rnn))(x), jax.grad(loss(_reference.rnn))(x))
-  xs = jnp.stack([x, 2 * x])
-  vmapped = jax.vmap(lambda x: run(_xla.rnn, x)[0])(xs)
-  _assert_close(vmapped, jnp.stack([run(_reference.rnn, a)[0] for a in xs]))
+  _assert_lanes_match_reference(run, forward, x)
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
@@ -338,14 +345,7 @@ def test_forward_in_lanes_matches_reference(cls, B, input_mode, with_lengths, la
   forward = jax.jit(lambda x: run(_xla.rnn, x))
   per_lane = 2 if spec.has_cell_state else 1
   assert _scan_carries(jax.make_jaxpr(forward)(x)) == [2 * per_lane] * 2
-  for a, b in zip(forward(x), run(_reference.rnn, x)):
-    if b is not None:
-      _assert_close(a, b)
-  loss = lambda rnn: lambda x: jnp.sum(jnp.sin(run(rnn, x)[0]))
-  _assert_close(jax.grad(loss(_xla.rnn))(x), jax.grad(loss(_reference.rnn))(x))
-  xs = jnp.stack([x, 2 * x])
-  vmapped = jax.vmap(lambda x: run(_xla.rnn, x)[0])(xs)
-  _assert_close(vmapped, jnp.stack([run(_reference.rnn, a)[0] for a in xs]))
+  _assert_lanes_match_reference(run, forward, x)
 
 
 @pytest.mark.parametrize("cls,T,B,trips,carries", [
