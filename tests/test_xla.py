@@ -185,10 +185,19 @@ def test_long_gru_forward_runs_longer_chunks(cls, steps, trips):
   _assert_close(forward(x), _reference.rnn(spec, x, h, c, params)[0])
 
 
+def _scan_carry_shapes(jaxpr) -> list[list[tuple]]:
+  """The shapes of the carried values of every `scan` in a jaxpr."""
+  out = []
+  for eqn in jaxpr_equations(jaxpr):
+    if eqn.primitive.name == "scan":
+      start = eqn.params["num_consts"]
+      out.append([v.aval.shape for v in eqn.invars[start:start + eqn.params["num_carry"]]])
+  return out
+
+
 def _scan_carries(jaxpr) -> list[int]:
   """The number of carried values of every `scan` in a jaxpr."""
-  return [eqn.params["num_carry"] for eqn in jaxpr_equations(jaxpr)
-          if eqn.primitive.name == "scan"]
+  return [len(shapes) for shapes in _scan_carry_shapes(jaxpr)]
 
 
 def _lanes(mode, B, T, H, *, dtype=jnp.float32, directions=1):
@@ -239,16 +248,6 @@ def test_forward_lanes_rule(monkeypatch):
       m.setattr(jax, "default_backend", lambda: backend)
       assert _lanes("lstm", 17, 256, 256) is None
       assert _lanes("lstm", 4, 256, 256) is None
-
-
-def _scan_carry_shapes(jaxpr) -> list[list[tuple]]:
-  """The shapes of the carried values of every `scan` in a jaxpr."""
-  out = []
-  for eqn in jaxpr_equations(jaxpr):
-    if eqn.primitive.name == "scan":
-      start = eqn.params["num_consts"]
-      out.append([v.aval.shape for v in eqn.invars[start:start + eqn.params["num_carry"]]])
-  return out
 
 
 def test_forward_lanes_in_the_program():
