@@ -83,7 +83,9 @@ splitting each small per-step product over its threads gained little
 14.0; benchmarks/NOTES.md, session 41). Below 8 sequences an LSTM's or GRU's
 with a large recurrent matrix runs in two lanes by hidden unit instead, each
 multiplying the whole state by half of every gate's columns (LSTM B4 T128 I128
-H320 4.4 -> 2.7 ms, GRU H384 B2 4.1 -> 2.4; session 48).
+H320 4.4 -> 2.7 ms, GRU H384 B2 4.1 -> 2.4; session 48), and so does an
+LSTM's up to 16 sequences (B16 T256 I128 H256 12.7-14.1 -> 10.6-11.1 ms in five
+runs; session 49).
 
 How the forward reads the weights. `_reference._layer_params` takes them from
 the opaque buffer's blocks (`_reference.param_blocks`) and transposes them
@@ -455,17 +457,27 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 # T32 H512 B4 2.57 / 2.91 -> 3.13 / 2.77. GRU H304-H320 lost (B4 H320 2.08 /
 # 2.03 / 2.11 -> 2.37 / 2.41 / 2.31, H304 2.11 -> 2.54), hence the GRU's
 # higher bound, and below 1 MiB the LSTM lost (H192 B4 1.23 / 1.28 -> 1.64 /
-# 1.77). From 8 sequences lanes by unit against lanes by batch went both ways,
-# by shape more than by size (LSTM B8 H256 4.25 / 5.06 -> 3.30 / 4.30 and B16
-# 7.42 / 7.02 -> 5.46 / 5.62, but B8 H288 5.37 -> 6.09 and B16 H352 12.05 ->
-# 14.31; GRU B8 H400 6.42 -> 5.36, but H368 6.08 -> 7.55), so there lanes stay
-# by batch. Nor for RNN-tanh and RNN-relu, whose one matrix a step went both
-# ways (tanh T128 H512 B4 1.82 -> 1.99, relu H640 B4 4.07 -> 3.63). Measured
-# on the Zen 5 alone.
+# 1.77). From 8 sequences, an LSTM's lanes are by unit too, up to 16 sequences
+# (`UNIT_LANE_MAX_BATCH`) and within `LANE_WEIGHT_BYTES`: by batch -> by unit,
+# forward, float32, I128, ms, in one process, two or three runs (session 49):
+# H256 B16 T256 14.3 / 13.1 / 14.6 -> 11.7 / 11.1 / 11.4, B12 T48 2.57 / 2.67 ->
+# 1.70 / 1.70, B16 T32 1.72 / 1.72 -> 1.51 / 1.57, B8 T256 7.61 / 7.95 / 7.84 ->
+# 7.79 / 8.06 / 7.54 (tied); H272 B16 T128 6.68 / 6.83 -> 6.32 / 6.34; H320 B8
+# T128 5.39 / 5.30 -> 5.03 / 4.87; H352 B8 T128 5.88 / 5.69 -> 5.39 / 5.35; H288
+# B8 T128 4.20 / 4.12 -> 4.37 / 4.30 (lost by 2-4% in three runs of four). From
+# 24 sequences they went both ways (H256 B24 T128 10.94 -> 11.38, B32 T128 12.51
+# -> 10.90; H320 B32 T100 I256 13.48 -> 14.45), and a GRU's from 8 lost (B8 T128
+# H352 4.30 / 4.36 -> 5.18 / 5.08, H368 5.32 / 4.74 -> 5.87 / 5.39), so those
+# stay by batch. In stretches where the machine ran slow for every contender,
+# the lanes by unit, which wait for each other every step, lost (H256 B16 T256
+# 16.4 -> 17.6). Nor for RNN-tanh and RNN-relu, whose one matrix a step went
+# both ways (tanh T128 H512 B4 1.82 -> 1.99, relu H640 B4 4.07 -> 3.63).
+# Measured on the Zen 5 alone.
 LANES = 2
 LANE_MIN_BATCH = 8
 LANE_WEIGHT_BYTES = (256 * 1024, 2 * 1024 * 1024)  # (above, at most): one direction's R
 UNIT_LANE_MIN_BYTES = {"lstm": 1024 * 1024, "gru": 1280 * 1024}  # of R; other cells: none
+UNIT_LANE_MAX_BATCH = {"lstm": 16}  # by unit from LANE_MIN_BATCH; other cells: by batch
 LANE_DTYPES = frozenset({np.dtype(np.float32)})  # of the products (float16 models': float32)
 
 
@@ -484,12 +496,13 @@ def forward_lanes(mode, operands, xs, R) -> str | None:
   if steps < MIN_CHUNKED_STEPS or jax.default_backend() != "cpu" or jax.device_count() != 1:
     return None
   nbytes = R[0].size * R[0].dtype.itemsize
+  units = nbytes >= UNIT_LANE_MIN_BYTES.get(mode, np.inf)
   if batch >= LANE_MIN_BATCH:
     low, high = LANE_WEIGHT_BYTES
-    return "batch" if low < nbytes <= high else None
-  if batch >= LANES and nbytes >= UNIT_LANE_MIN_BYTES.get(mode, np.inf):
-    return "units"
-  return None
+    if not low < nbytes <= high:
+      return None
+    return "units" if units and batch <= UNIT_LANE_MAX_BATCH.get(mode, 0) else "batch"
+  return "units" if units and batch >= LANES else None
 
 
 def _forward_in_batch_lanes(mode, operands, xs, valid, h0, c0, W, R, bW, bR):

@@ -213,17 +213,20 @@ def _lanes(mode, B, T, H, *, dtype=jnp.float32, directions=1):
 
 def test_forward_lanes_rule(monkeypatch):
   """Multiplied in float32 (float32 and float16 models), over 32 steps or more,
-  on a single CPU device: from 8 sequences, lanes by batch where the one
-  direction's recurrent matrix has more than 256 KiB and at most 2 MiB; below
-  8, lanes by unit for an LSTM's of at least 1 MiB or a GRU's of at least
+  on a single CPU device: from 8 sequences, lanes where the one direction's
+  recurrent matrix has more than 256 KiB and at most 2 MiB, by unit for an
+  LSTM's of at least 1 MiB over at most 16 sequences, else by batch; below 8,
+  lanes by unit for an LSTM's of at least 1 MiB or a GRU's of at least
   1.25 MiB, from 2 sequences; else one lane."""
   units = [("lstm", 2, 256, 256), ("lstm", 7, 32, 256), ("gru", 4, 64, 384),
            ("gru", 4, 128, 331), ("lstm", 3, 256, 363), ("gru", 7, 100, 1024),
-           ("lstm", 4, 32, 2048)]
-  batch = [("lstm", 8, 256, 256), ("gru", 16, 256, 256), ("rnn_tanh", 16, 256, 511),
+           ("lstm", 4, 32, 2048), ("lstm", 8, 256, 256), ("lstm", 16, 32, 362),
+           ("lstm", 12, 64, 300)]
+  batch = [("lstm", 17, 256, 256), ("gru", 16, 256, 256), ("rnn_tanh", 16, 256, 511),
            ("rnn_relu", 16, 256, 300), ("lstm", 256, 32, 256), ("gru", 8, 64, 192),
            ("lstm", 9, 64, 160), ("gru", 64, 32, 384), ("lstm", 17, 256, 362),
-           ("gru", 8, 256, 418), ("rnn_tanh", 8, 256, 257), ("rnn_tanh", 16, 256, 724)]
+           ("gru", 8, 256, 418), ("rnn_tanh", 8, 256, 257), ("rnn_tanh", 16, 256, 724),
+           ("lstm", 16, 256, 255), ("gru", 16, 256, 384)]
   one = [("lstm", 16, 256, 128), ("lstm", 16, 256, 512), ("gru", 16, 256, 128),
          ("rnn_tanh", 16, 256, 256), ("gru", 16, 256, 1024), ("lstm", 4, 256, 255),
          ("lstm", 16, 256, 363), ("gru", 8, 256, 419), ("rnn_tanh", 16, 256, 725),
@@ -234,7 +237,8 @@ def test_forward_lanes_rule(monkeypatch):
   assert [_lanes(*case) for case in batch] == ["batch"] * len(batch)
   assert [_lanes(*case) for case in one] == [None] * len(one)
   assert _lanes("lstm", 4, 256, 256, dtype=jnp.float16) == "units"
-  assert _lanes("lstm", 16, 256, 256, dtype=jnp.float16) == "batch"
+  assert _lanes("lstm", 16, 256, 256, dtype=jnp.float16) == "units"
+  assert _lanes("lstm", 32, 256, 256, dtype=jnp.float16) == "batch"
   assert _lanes("lstm", 16, 256, 256, dtype=jnp.bfloat16) is None  # bfloat16 products
   assert _lanes("lstm", 4, 256, 256, dtype=jnp.bfloat16) is None
   assert _lanes("rnn_tanh", 16, 256, 256, dtype=jnp.float64) is None  # 512 KiB, float64
@@ -252,13 +256,14 @@ def test_forward_lanes_rule(monkeypatch):
 
 def test_forward_lanes_in_the_program():
   """A model the rule gives two lanes carries each lane's states in its forward
-  loop, with `seq_lengths` too: LSTM H256 over 4 sequences, h and c of each
-  lane's 128 units; over 18, of each lane's 9 sequences. Its derivative's
-  loops carry one lane's; a bidirectional model's forward carries one lane per
-  direction."""
+  loop, with `seq_lengths` too: LSTM H256 over 4 or 12 sequences, h and c of
+  each lane's 128 units; over 18, of each lane's 9 sequences. Its
+  derivative's loops carry one lane's; a bidirectional model's forward
+  carries one lane per direction."""
   lengths = lambda B: jnp.array([32] * (B - 1) + [5], jnp.int32)
   for B, direction, with_lengths, lane in (
       (4, "unidirectional", False, (4, 128)), (4, "unidirectional", True, (4, 128)),
+      (12, "unidirectional", False, (12, 128)), (12, "unidirectional", True, (12, 128)),
       (18, "unidirectional", False, (9, 256)), (18, "unidirectional", True, (9, 256)),
       (8, "bidirectional", False, (8, 256)), (4, "bidirectional", False, (4, 256))):
     spec = jcr.CudnnLSTM(1, 256, 8, direction=direction)
@@ -327,6 +332,25 @@ def test_forward_in_unit_lanes_matches_reference(cls, H, input_mode, T, with_len
   states = [(3, H // 2), (3, H - H // 2)] * (2 if spec.has_cell_state else 1)  # h (, c)
   assert _scan_carry_shapes(jax.make_jaxpr(forward)(x)) == [states] * 2
   _assert_lanes_match_reference(run, forward, x)
+
+
+def test_lstm_forward_in_unit_lanes_from_eight_sequences(monkeypatch):
+  """From 8 sequences the rule takes an LSTM's forward in lanes by unit (up to
+  `UNIT_LANE_MAX_BATCH`), with `seq_lengths`: 9 sequences of 5 units, each
+  loop carrying 2 and 3 units of all 9; outputs, final states, the gradient
+  and `vmap` as the reference's. A GRU's stays in lanes by batch."""
+  monkeypatch.setattr(_xla, "UNIT_LANE_MIN_BYTES", {"lstm": 0, "gru": 0})
+  monkeypatch.setattr(_xla, "LANE_WEIGHT_BYTES", (0, np.inf))
+  monkeypatch.setattr(_xla, "LANE_DTYPES", frozenset({np.dtype(np.float64)}))
+  for cls, states in ((jcr.CudnnLSTM, [(9, 2), (9, 3)] * 2), (jcr.CudnnGRU, [(4, 5), (5, 5)])):
+    spec = cls(2, 5, 6, dtype=jnp.float64)
+    x, h, c = (None if a is None else jnp.asarray(a) for a in random_inputs(spec, 32, 9, seed=4))
+    params = spec.init_params(jax.random.key(5))
+    lengths = jnp.array([32, 7, 0, 32, 31, 1, 16, 32, 3], jnp.int32)
+    run = lambda rnn, x: rnn(spec, x, h, c, params, seq_lengths=lengths)
+    forward = jax.jit(lambda x: run(_xla.rnn, x))
+    assert _scan_carry_shapes(jax.make_jaxpr(forward)(x)) == [states] * 2, cls
+    _assert_lanes_match_reference(run, forward, x)
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
