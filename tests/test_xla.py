@@ -334,14 +334,11 @@ def test_forward_in_unit_lanes_matches_reference(cls, H, input_mode, T, with_len
   _assert_lanes_match_reference(run, forward, x)
 
 
-def test_lstm_forward_in_unit_lanes_from_eight_sequences(monkeypatch):
+def test_lstm_forward_in_unit_lanes_from_eight_sequences(lanes_everywhere, unit_lanes_everywhere):
   """From 8 sequences the rule takes an LSTM's forward in lanes by unit (up to
   `UNIT_LANE_MAX_BATCH`), with `seq_lengths`: 9 sequences of 5 units, each
   loop carrying 2 and 3 units of all 9; outputs, final states, the gradient
   and `vmap` as the reference's. A GRU's stays in lanes by batch."""
-  monkeypatch.setattr(_xla, "UNIT_LANE_MIN_BYTES", {"lstm": 0, "gru": 0})
-  monkeypatch.setattr(_xla, "LANE_WEIGHT_BYTES", (0, np.inf))
-  monkeypatch.setattr(_xla, "LANE_DTYPES", frozenset({np.dtype(np.float64)}))
   for cls, states in ((jcr.CudnnLSTM, [(9, 2), (9, 3)] * 2), (jcr.CudnnGRU, [(4, 5), (5, 5)])):
     spec = cls(2, 5, 6, dtype=jnp.float64)
     x, h, c = (None if a is None else jnp.asarray(a) for a in random_inputs(spec, 32, 9, seed=4))
