@@ -125,7 +125,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_cudnn_rnn import _reference, _rounded_dot, _spec
+from jax_cudnn_rnn import _cpu, _reference, _rounded_dot, _spec
 
 
 def _blocksum(u: jax.Array, blocks: int) -> jax.Array:
@@ -479,6 +479,28 @@ LANE_WEIGHT_BYTES = (256 * 1024, 2 * 1024 * 1024)  # (above, at most): one direc
 UNIT_LANE_MIN_BYTES = {"lstm": 1024 * 1024, "gru": 1280 * 1024}  # of R; other cells: none
 UNIT_LANE_MAX_BATCH = {"lstm": 16}  # by unit from LANE_MIN_BATCH; other cells: by batch
 LANE_DTYPES = frozenset({np.dtype(np.float32)})  # of the products (float16 models': float32)
+# bfloat16 products. On the AMX Xeon two lanes by batch lost (above); on the
+# Zen 5, whose AVX512-BF16 products are no AMX, lanes by unit gained at every
+# batch from 2 sequences where the recurrent matrix, in bfloat16, has 384 KiB
+# to 2 MiB: forward, bfloat16, I128, ms, one lane / by batch / by unit, in one
+# process (benchmarks/NOTES.md, session 50):
+#   LSTM H256 (512 KiB) B16 T256 11.35 / 10.66 / 8.16, B8 T256 12.04 / 18.40 /
+#   7.74, B4 T128 5.20 / 8.81 / 3.26, B2 T128 1.94 / 3.38 / 1.86, B8 T32 1.09
+#   / 1.80 / 0.76, B64 T32 3.52 / 4.63 / 3.35, B128 T32 7.14 / 8.13 / 6.22,
+#   B256 T32 14.53 / 27.06 / 13.76, 3 layers B32 T100 I256 21.38 / 26.72 /
+#   20.87; H224 B16 T128 3.95 / 4.20 / 3.43 (B8 2.29 / 3.34 / 2.33); H512 (2
+#   MiB) B16 T128 17.52 / 19.23 / 16.32, B64 T32 13.02 / 14.49 / 11.97;
+#   GRU H256 (384 KiB) B16 T256 7.98 / 7.69 / 7.20, B64 T32 3.66 / 4.21 / 2.64,
+#   B8 T256 5.87 / 5.38 / 4.52, 3 layers B32 T100 I256 22.88 / 20.28 / 17.15;
+#   H384 B4 T128 3.36 / 5.21 / 2.96; H512 B16 T128 10.39 / 11.82 / 9.90.
+# Below 384 KiB they lost (LSTM H192 B16 T128 3.78 -> 4.43, H208 3.54 -> 5.05;
+# GRU H240 3.23 -> 4.94, B8 2.12 -> 3.05), and above 2 MiB they gained little
+# or lost (LSTM H576 7.65 -> 7.32, H768 B16 T64 13.44 -> 14.41, H1024 28.18 ->
+# 32.73; GRU H640 7.13 -> 7.21, H1024 19.32 -> 22.79); one sequence tied (LSTM
+# H256 B1 1.73 -> 1.73). RNN-tanh and RNN-relu were not measured, and keep
+# one lane; so does a CPU of another kind (`_cpu.bfloat16_dot_products`).
+BFLOAT16_UNIT_LANE_BYTES = (384 * 1024, 2 * 1024 * 1024)  # of R in bfloat16, both included
+BFLOAT16_UNIT_LANE_MODES = frozenset({"lstm", "gru"})
 
 
 def forward_lanes(mode, operands, xs, R) -> str | None:
@@ -488,14 +510,21 @@ def forward_lanes(mode, operands, xs, R) -> str | None:
   None (one lane). `operands`: `operand_dtype` of the model; `R` its recurrent
   weights in the computation dtype."""
   steps, batch = xs[0].shape[:2]
-  products = R[0].dtype if operands is None else operands
-  if len(xs) != 1 or np.dtype(products) not in LANE_DTYPES:
+  products = np.dtype(R[0].dtype if operands is None else operands)
+  bfloat16 = products == np.dtype(jnp.bfloat16)
+  if len(xs) != 1 or not (products in LANE_DTYPES or bfloat16):
     return None
   if not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
     return None  # symbolic (a shape-polymorphic `jax.export`)
   if steps < MIN_CHUNKED_STEPS or jax.default_backend() != "cpu" or jax.device_count() != 1:
     return None
-  nbytes = R[0].size * R[0].dtype.itemsize
+  nbytes = R[0].size * products.itemsize
+  if bfloat16:
+    low, high = BFLOAT16_UNIT_LANE_BYTES
+    if (mode in BFLOAT16_UNIT_LANE_MODES and low <= nbytes <= high and batch >= LANES
+        and _cpu.bfloat16_dot_products()):
+      return "units"
+    return None
   units = nbytes >= UNIT_LANE_MIN_BYTES.get(mode, np.inf)
   if batch >= LANE_MIN_BATCH:
     low, high = LANE_WEIGHT_BYTES

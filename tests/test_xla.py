@@ -24,7 +24,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _reference, _rounded_dot, _xla
+from jax_cudnn_rnn import _cpu, _reference, _rounded_dot, _xla
 from helpers import (SPEC_CLASSES, assert_gradient_is_one_concatenation, jaxpr_equations,
                      random_canonical, random_inputs, relative_error)
 from numpy_rnn import numpy_rnn
@@ -239,7 +239,8 @@ def test_forward_lanes_rule(monkeypatch):
   assert _lanes("lstm", 4, 256, 256, dtype=jnp.float16) == "units"
   assert _lanes("lstm", 16, 256, 256, dtype=jnp.float16) == "units"
   assert _lanes("lstm", 32, 256, 256, dtype=jnp.float16) == "batch"
-  assert _lanes("lstm", 16, 256, 256, dtype=jnp.bfloat16) is None  # bfloat16 products
+  monkeypatch.setattr(_cpu, "flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
+  assert _lanes("lstm", 16, 256, 256, dtype=jnp.bfloat16) is None  # bfloat16 products on AMX
   assert _lanes("lstm", 4, 256, 256, dtype=jnp.bfloat16) is None
   assert _lanes("rnn_tanh", 16, 256, 256, dtype=jnp.float64) is None  # 512 KiB, float64
   assert _lanes("lstm", 16, 256, 256, directions=2) is None
@@ -301,6 +302,41 @@ def lanes_everywhere(monkeypatch):
   monkeypatch.setattr(_xla, "LANE_MIN_BATCH", 2)
   monkeypatch.setattr(_xla, "LANE_WEIGHT_BYTES", (0, np.inf))
   monkeypatch.setattr(_xla, "LANE_DTYPES", frozenset({np.dtype(np.float64)}))
+
+
+AVX512_BF16 = frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})  # no AMX: a Zen 5's
+
+
+def test_bfloat16_forward_lanes_rule(monkeypatch):
+  """bfloat16 products on a CPU with AVX512-BF16 and without AMX: lanes by
+  unit for an LSTM's or GRU's forward alone whose recurrent matrix has 384 KiB
+  to 2 MiB in bfloat16 (LSTM H222-H512, GRU H256-H591), over 2 sequences or
+  more and 32 steps or more, on a single CPU device; else one lane, as on a
+  CPU with AMX or whose flags are unknown."""
+  monkeypatch.setattr(_cpu, "flags", lambda: AVX512_BF16)
+  lanes = lambda *case, directions=1: _lanes(*case, dtype=jnp.bfloat16, directions=directions)
+  units = [("lstm", 16, 256, 256), ("lstm", 2, 32, 256), ("lstm", 256, 32, 256),
+           ("lstm", 8, 128, 222), ("lstm", 16, 64, 512), ("gru", 16, 256, 256),
+           ("gru", 64, 32, 384), ("gru", 4, 128, 591), ("gru", 2, 100, 300)]
+  one = [("lstm", 1, 128, 256), ("lstm", 16, 31, 256), ("lstm", 16, 256, 221),
+         ("lstm", 16, 64, 513), ("gru", 16, 128, 255), ("gru", 16, 64, 592),
+         ("rnn_tanh", 16, 256, 512), ("rnn_relu", 16, 256, 400), ("lstm", 16, 256, 128)]
+  assert [lanes(*case) for case in units] == ["units"] * len(units)
+  assert [lanes(*case) for case in one] == [None] * len(one)
+  assert lanes("lstm", 16, 256, 256, directions=2) is None
+  symbolic_batch, = jax.export.symbolic_shape("b")
+  assert lanes("lstm", symbolic_batch, 256, 256) is None
+  # float16 models multiply in float32: the float32 rule (by batch here).
+  assert _lanes("lstm", 32, 256, 256, dtype=jnp.float16) == "batch"
+  for backend, devices in (("cpu", 4), ("gpu", 1)):
+    with monkeypatch.context() as m:
+      m.setattr(jax, "device_count", lambda: devices)
+      m.setattr(jax, "default_backend", lambda: backend)
+      assert lanes("lstm", 16, 256, 256) is None
+  for flags in (AVX512_BF16 | {"amx_tile", "amx_bf16"}, frozenset({"avx2", "fma"}), None):
+    monkeypatch.setattr(_cpu, "flags", lambda: flags)
+    assert lanes("lstm", 16, 256, 256) is None, flags
+    assert lanes("gru", 4, 128, 384) is None, flags
 
 
 @pytest.fixture
@@ -666,6 +702,58 @@ def test_bfloat16_rounds_only_the_matmul_operands(cls, T):
   y = np.asarray(y, np.float64)
   np.testing.assert_allclose(y, rounded, rtol=0, atol=5e-5)
   assert np.abs(y - exact).max() > 3e-4
+
+
+@pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
+def test_bfloat16_forward_in_unit_lanes(cls, monkeypatch):
+  """A bfloat16 model's forward alone in two lanes by unit (of 2 and 3 of 5
+  units), chunked, with `seq_lengths`, two layers: every loop carries each
+  lane's part of the states; the float32 outputs before the final cast are
+  numpy's in float64 with the products' operands rounded to bfloat16 (as
+  `test_bfloat16_rounds_only_the_matmul_operands`), and the one-lane
+  forward's but for float32 summation order; the model's own bfloat16 outputs
+  and final states the one-lane forward's to a bfloat16 rounding, and under
+  `vmap` too."""
+  monkeypatch.setattr(_cpu, "flags", lambda: AVX512_BF16)
+  monkeypatch.setattr(_xla, "BFLOAT16_UNIT_LANE_BYTES", (0, np.inf))
+  spec = cls(2, 5, 6, dtype=jnp.bfloat16)
+  weights, biases = random_canonical(spec)
+  params = spec.canonical_to_params(weights, biases)
+  x, h, c = random_inputs(spec, 32, 3, seed=6)
+  lengths = jnp.array([32, 7, 0], jnp.int32)
+  f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
+
+  def programs():  # fresh functions, so that `jit` traces them again (not its cached trace)
+    def layers(x, h, c):  # the float32 outputs of the two layers, before the final cast
+      y, blocks = x, _reference.param_blocks(spec, f32(params))
+      for layer in range(2):
+        y, _, _ = _xla.run_layer(spec, y, h[layer:layer + 1],
+                                 None if c is None else c[layer:layer + 1], blocks, layer, lengths)
+      return y
+    whole = lambda x: _xla.rnn(spec, x, h, c, params, seq_lengths=lengths)
+    carries = _scan_carry_shapes(jax.make_jaxpr(layers)(f32(x), f32(h), f32(c)))
+    assert _scan_carry_shapes(jax.make_jaxpr(whole)(x)) == carries
+    return (carries, np.asarray(jax.jit(layers)(f32(x), f32(h), f32(c)), np.float64),
+            [jax.jit(whole)(x), jax.jit(jax.vmap(whole))(jnp.stack([x, -x]))])
+
+  states = [(3, 2), (3, 3)] * (2 if spec.has_cell_state else 1)
+  carries, in_lanes, outputs = programs()
+  assert carries == [states] * 2
+  monkeypatch.setattr(_xla, "forward_lanes", lambda *args: None)
+  carries, one_lane, one_lane_outputs = programs()
+  assert carries == [[(3, 5)] * (len(states) // 2)] * 2
+  np.testing.assert_allclose(in_lanes, one_lane, rtol=0, atol=1e-6)
+  up = lambda a: None if a is None else np.asarray(a, np.float64)
+  rounded = numpy_rnn(spec.rnn_mode, 2, False, False, [up(w) for w in weights],
+                      [up(b) for b in biases], up(x), up(h), up(c), np.asarray(lengths),
+                      operand=_round_to_bfloat16)[0]
+  np.testing.assert_allclose(in_lanes, rounded, rtol=0, atol=5e-5)
+  assert np.abs(in_lanes).max() > 0.1
+  for got, want in zip(jax.tree.leaves(outputs), jax.tree.leaves(one_lane_outputs)):
+    assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+    # At most one bfloat16 rounding step apart (a float32 sum on either side of a midpoint).
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=2 ** -7, atol=2 ** -8)
 
 
 @pytest.mark.parametrize("T,B", [(1, 3), (32, 1), (1, 1)],
