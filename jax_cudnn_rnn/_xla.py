@@ -85,7 +85,10 @@ with a large recurrent matrix runs in two lanes by hidden unit instead, each
 multiplying the whole state by half of every gate's columns (LSTM B4 T128 I128
 H320 4.4 -> 2.7 ms, GRU H384 B2 4.1 -> 2.4; session 48), and so does an
 LSTM's up to 16 sequences (B16 T256 I128 H256 12.7-14.1 -> 10.6-11.1 ms in five
-runs; session 49).
+runs; session 49). A bfloat16 LSTM's or GRU's forward alone runs in lanes by
+unit at any batch from 2, on a CPU whose bfloat16 products are AVX512-BF16
+dot products rather than AMX (`_cpu`; LSTM B16 T256 I128 H256 10.5-11.4 ->
+7.8-8.2 ms, GRU B64 T32 3.7 -> 2.6; session 50).
 
 How the forward reads the weights. `_reference._layer_params` takes them from
 the opaque buffer's blocks (`_reference.param_blocks`) and transposes them
@@ -508,7 +511,8 @@ def forward_lanes(mode, operands, xs, R) -> str | None:
   over directions) runs in `LANES` lanes: "units" (`_forward_in_unit_lanes`)
   or "batch" (`_forward_in_batch_lanes`) where the comments above say, else
   None (one lane). `operands`: `operand_dtype` of the model; `R` its recurrent
-  weights in the computation dtype."""
+  weights in the computation dtype. The window's bytes are those of `R` as the
+  products read it: float32 (float16 models too), or bfloat16."""
   steps, batch = xs[0].shape[:2]
   products = np.dtype(R[0].dtype if operands is None else operands)
   bfloat16 = products == np.dtype(jnp.bfloat16)
