@@ -483,10 +483,10 @@ UNIT_LANE_MIN_BYTES = {"lstm": 1024 * 1024, "gru": 1280 * 1024}  # of R; other c
 UNIT_LANE_MAX_BATCH = {"lstm": 16}  # by unit from LANE_MIN_BATCH; other cells: by batch
 LANE_DTYPES = frozenset({np.dtype(np.float32)})  # of the products (float16 models': float32)
 # bfloat16 products. On the AMX Xeon two lanes by batch lost (above); on the
-# Zen 5, whose AVX512-BF16 products are no AMX, lanes by unit gained at every
-# batch from 2 sequences where the recurrent matrix, in bfloat16, has 384 KiB
-# to 2 MiB: forward, bfloat16, I128, ms, one lane / by batch / by unit, in one
-# process (benchmarks/NOTES.md, session 50):
+# Zen 5, whose bfloat16 products are AVX512-BF16 dot products (it has no AMX),
+# lanes by unit gained at every batch from 2 sequences where the recurrent
+# matrix, in bfloat16, has 384 KiB to 2 MiB: forward, bfloat16, I128, ms, one
+# lane / by batch / by unit, in one process (benchmarks/NOTES.md, session 50):
 #   LSTM H256 (512 KiB) B16 T256 11.35 / 10.66 / 8.16, B8 T256 12.04 / 18.40 /
 #   7.74, B4 T128 5.20 / 8.81 / 3.26, B2 T128 1.94 / 3.38 / 1.86, B8 T32 1.09
 #   / 1.80 / 0.76, B64 T32 3.52 / 4.63 / 3.35, B128 T32 7.14 / 8.13 / 6.22,
