@@ -500,8 +500,9 @@ LANE_DTYPES = frozenset({np.dtype(np.float32)})  # of the products (float16 mode
 # GRU H240 3.23 -> 4.94, B8 2.12 -> 3.05), and above 2 MiB they gained little
 # or lost (LSTM H576 7.65 -> 7.32, H768 B16 T64 13.44 -> 14.41, H1024 28.18 ->
 # 32.73; GRU H640 7.13 -> 7.21, H1024 19.32 -> 22.79); one sequence tied (LSTM
-# H256 B1 1.73 -> 1.73). RNN-tanh and RNN-relu were not measured, and keep
-# one lane; so does a CPU of another kind (`_cpu.bfloat16_dot_products`).
+# H256 B1 1.73 -> 1.73). RNN-tanh and RNN-relu went both ways (tanh B4 T128
+# H512 2.38 -> 1.70, relu B64 T32 H512 2.69 -> 3.05) and keep one lane; so
+# does a CPU of another kind (`_cpu.bfloat16_dot_products`).
 BFLOAT16_UNIT_LANE_BYTES = (384 * 1024, 2 * 1024 * 1024)  # of R in bfloat16, both included
 BFLOAT16_UNIT_LANE_MODES = frozenset({"lstm", "gru"})
 
