@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _cudnn
+from jax_cudnn_rnn import _cpu, _cudnn
 
 
 # The cells the benchmarks time, and our spec class for each: the peers (Flax's
@@ -425,15 +425,14 @@ def cpu_description() -> dict:
   machine may name only the vendor, "AMD EPYC", for several generations) and
   a core's L2 cache (which bounds the forward's lanes, `_xla.LANE_WEIGHT_BYTES`),
   from /proc/cpuinfo and sysfs where there are."""
-  model, flags, family, number = platform.processor() or platform.machine(), set(), None, None
+  model, family, number = platform.processor() or platform.machine(), None, None
+  flags = _cpu.flags() or frozenset()  # the library's own reading, which its lane rule uses
   try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+    for line in _cpu.CPUINFO.read_text().splitlines():
       key, _, value = line.partition(":")
       key = key.strip()
       if key == "model name":
         model = value.strip()
-      elif key == "flags":
-        flags = set(value.split())
       elif key == "cpu family" and family is None:
         family = value.strip()
       elif key == "model" and number is None:
