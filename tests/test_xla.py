@@ -673,6 +673,19 @@ def _round_to_bfloat16(v):
   return np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
+def _float32_layers(spec, params, x, h, c, lengths=None):
+  """The float32 output of a bfloat16 model's layers through `_xla.run_layer`,
+  before the final cast, given float32 values as `_reference.rnn` hands
+  each layer: the products' operands rounded to bfloat16, nothing else."""
+  f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
+  y, blocks, D = f32(x), _reference.param_blocks(spec, f32(params)), spec.num_dirs
+  for layer in range(spec.num_layers):
+    states = slice(D * layer, D * (layer + 1))
+    y, _, _ = _xla.run_layer(spec, y, f32(h)[states], None if c is None else f32(c)[states],
+                             blocks, layer, lengths)
+  return y
+
+
 @pytest.mark.parametrize("T", [6, 32], ids=["step-by-step", "chunked"])
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_bfloat16_rounds_only_the_matmul_operands(cls, T):
@@ -687,13 +700,7 @@ def test_bfloat16_rounds_only_the_matmul_operands(cls, T):
   weights, biases = random_canonical(spec)
   params = spec.canonical_to_params(weights, biases)
   x, h, c = random_inputs(spec, T, 3)
-  f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
-  y = f32(x)  # what `_reference.rnn` hands each layer: float32 values
-  blocks = _reference.param_blocks(spec, f32(params))
-  for layer in range(2):
-    states = slice(2 * layer, 2 * layer + 2)
-    y, _, _ = _xla.run_layer(spec, y, f32(h)[states], None if c is None else f32(c)[states],
-                             blocks, layer, None)
+  y = _float32_layers(spec, params, x, h, c)
   up = lambda a: None if a is None else np.asarray(a, np.float64)
   args = (spec.rnn_mode, 2, True, False, [up(w) for w in weights], [up(b) for b in biases],
           up(x), up(h), up(c))
@@ -724,12 +731,7 @@ def test_bfloat16_forward_in_unit_lanes(cls, monkeypatch):
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
 
   def programs():  # fresh functions, so that `jit` traces them again (not its cached trace)
-    def layers(x, h, c):  # the float32 outputs of the two layers, before the final cast
-      y, blocks = x, _reference.param_blocks(spec, f32(params))
-      for layer in range(2):
-        y, _, _ = _xla.run_layer(spec, y, h[layer:layer + 1],
-                                 None if c is None else c[layer:layer + 1], blocks, layer, lengths)
-      return y
+    layers = lambda x, h, c: _float32_layers(spec, params, x, h, c, lengths)
     whole = lambda x: _xla.rnn(spec, x, h, c, params, seq_lengths=lengths)
     carries = _scan_carry_shapes(jax.make_jaxpr(layers)(f32(x), f32(h), f32(c)))
     assert _scan_carry_shapes(jax.make_jaxpr(whole)(x)) == carries
@@ -772,13 +774,9 @@ def test_bfloat16_opaque_products_round_as_the_transposed_ones(cls, T, B, monkey
   x, h, c = (None if a is None else jnp.asarray(a, jnp.float32)
              for a in random_inputs(spec, T, B))
 
-  def forward(opaque):
+  def forward(opaque):  # a fresh function each time, so that `jit` traces it again
     monkeypatch.setattr(_xla, "_reads_opaque_orientation", lambda x: opaque)
-    y, blocks = x, _reference.param_blocks(spec, params)
-    for layer in range(2):
-      states = slice(2 * layer, 2 * layer + 2)
-      y, _, _ = jax.jit(lambda y, h, c: _xla.run_layer(spec, y, h, c, blocks, layer, None))(
-          y, h[states], None if c is None else c[states])
+    y = jax.jit(lambda x, h, c: _float32_layers(spec, params, x, h, c))(x, h, c)
     return np.asarray(y, np.float64)
 
   opaque, transposed = forward(True), forward(False)
