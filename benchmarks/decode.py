@@ -26,6 +26,16 @@ token (a loop's time divided by its steps), medians over round-robin rounds
 Writes `<out-dir>/decode-<machine>-<date>.json` (every figure, the versions,
 the device) and `.md` (ratios of each peer's time to ours: > 1 means we are
 faster).
+
+    python benchmarks/decode.py --sync-dispatch
+
+How JAX's CPU client dispatches is recorded too (`cpu_async_dispatch`). By
+default it runs each call on a thread of its own, which the calling thread
+wakes and then waits for. With `--sync-dispatch` (JAX's
+`jax_cpu_enable_async_dispatch` off, which a decoding program can choose
+too) it runs each call on the calling thread; such a run's files end in
+`-sync`. JAX reads that setting when it makes its CPU client, so the option
+sets it and drops the clients made before (`jax.extend.backend.clear_backends`).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import pathlib
 import sys
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from jax_cudnn_rnn import _cudnn
@@ -199,12 +210,33 @@ def contenders(shape: Shape, steps: int, gpu: bool, have_torch: bool) -> dict:
 # -- the report --------------------------------------------------------------------------
 
 
-def markdown(results: list[dict], device: str, steps: int) -> str:
+ASYNC_DISPATCH = "jax_cpu_enable_async_dispatch"
+
+
+def async_dispatch() -> bool:
+  """Whether JAX's CPU client runs calls on a thread of its own (the default)
+  rather than on the calling thread (`--sync-dispatch`)."""
+  return bool(jax.config.values.get(ASYNC_DISPATCH, True))
+
+
+def dispatch_synchronously() -> None:
+  """Has JAX make its CPU client anew, running calls on the calling thread:
+  the setting is read when a client is made, so the ones made before are
+  dropped (arrays on them with them: call this before making any)."""
+  jax.config.update(ASYNC_DISPATCH, False)
+  jax.extend.backend.clear_backends()
+
+
+def markdown(results: list[dict], device: str, steps: int, asynchronous: bool = True) -> str:
+  dispatch = ("" if asynchronous else
+              " JAX's CPU client ran each call on the calling thread "
+              f"(`--sync-dispatch`: `{ASYNC_DISPATCH}` off), not on a thread of its own.")
   lines = [f"# Decoding one step at a time on {device}", "",
            f"Microseconds per token; \"loop\": {steps} steps in one jitted `lax.scan`, "
            "\"step\": one jitted call per token from Python, \"eager\": one call per token "
            "without `jit` (PyTorch's is its \"step\" again). Ratio = the column's time / "
-           "ours (`ours-cudnn` on a GPU, else `ours-xla`); > 1 means ours is faster.", ""]
+           "ours (`ours-cudnn` on a GPU, else `ours-xla`); > 1 means ours is faster."
+           + dispatch, ""]
   ours = grid_run.ours_of(results)
   peers = sorted({r["impl"] for r in results} - {ours})
   for pattern in ("loop", "step", "eager"):
@@ -225,7 +257,11 @@ def main(argv=None) -> int:
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
   parser.add_argument("--machine", default=None, help="name in the output files")
+  parser.add_argument("--sync-dispatch", action="store_true",
+                      help="run JAX's calls on the calling thread (files end in -sync)")
   args = parser.parse_args(argv)
+  if args.sync_dispatch:
+    dispatch_synchronously()
   repeats = args.repeats or (15 if args.quick else 41)
   gpu, have_torch, device_name, cpu, machine = grid_run.setting(args.machine)
   lead_in_s = grid_run.lead_in_seconds(gpu)
@@ -253,14 +289,16 @@ def main(argv=None) -> int:
             f"(iqr of a call {r['iqr_s'] * 1e6:.0f} us)", flush=True)
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  stem = f"decode-{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
+  asynchronous = async_dispatch()
+  stem = (f"decode-{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
+          f"{'' if asynchronous else '-sync'}")
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(), "cpu": cpu,
             "versions": grid_run.versions(), "quick": args.quick, "steps": args.steps,
-            "repeats": repeats, "warmup": args.warmup,
-            "lead_in_s": lead_in_s, "results": results}
+            "repeats": repeats, "warmup": args.warmup, "lead_in_s": lead_in_s,
+            "cpu_async_dispatch": asynchronous, "results": results}
   (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=1))
   table = markdown(results, device_name if gpu else grid_run.cpu_heading(device_name, cpu),
-                   args.steps)
+                   args.steps, asynchronous)
   (out_dir / f"{stem}.md").write_text(table)
   print("\n" + table)
   print(f"wrote {out_dir / stem}.json/.md")

@@ -6,14 +6,16 @@ The timings mean nothing here. What is checked: every contender is timed in
 each of its patterns (PyTorch, eager, has no jitted loop; its "step" and
 "eager" are the same call), a peer that cannot
 run is reported and left out, each contender decodes what ours decodes (the
-same recurrence, so the same shapes through the loop), and the table's
-per-token figures and ratios are the JSON's.
+same recurrence, so the same shapes through the loop), the table's
+per-token figures and ratios are the JSON's, and `--sync-dispatch` sets JAX's
+option (the suite's CPU client is kept) and says so in the files.
 """
 
 import json
 import re
 
 import jax
+import jax.extend
 import numpy as np
 import pytest
 
@@ -22,22 +24,35 @@ from helpers import has_torch, load_benchmark, on_a_cpu_host
 
 
 @on_a_cpu_host
-@pytest.mark.parametrize("as_gpu", [False, True], ids=["cpu", "gpu-with-handler-model"])
-def test_decode_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("as_gpu,sync", [(False, False), (False, True), (True, False)],
+                         ids=["cpu", "cpu-sync-dispatch", "gpu-with-handler-model"])
+def test_decode_benchmark_runs_end_to_end(as_gpu, sync, tmp_path, monkeypatch, capsys):
   decode = load_benchmark("decode")
   tiny = [decode.Shape("lstm", 2, 3, 4, 2), decode.Shape("gru", 1, 3, 4, 1)]
   monkeypatch.setattr(decode, "shapes", lambda quick: tiny)
+  # --sync-dispatch sets JAX's option and drops the clients made before; here
+  # they are kept (the suite's arrays live on them), and the option restored.
+  assert decode.async_dispatch() is jax.config.values[decode.ASYNC_DISPATCH] is True
+  dropped = []
+  monkeypatch.setattr(jax.extend.backend, "clear_backends", lambda: dropped.append(True))
   if as_gpu:
     model = HandlerModel().install(monkeypatch.setattr)
-  assert decode.main(["--quick", "--repeats", "2", "--warmup", "1", "--steps", "3",
-                      "--out-dir", str(tmp_path), "--machine", "test"]) == 0
+  try:
+    assert decode.main(["--quick", "--repeats", "2", "--warmup", "1", "--steps", "3",
+                        "--out-dir", str(tmp_path), "--machine", "test"]
+                       + (["--sync-dispatch"] if sync else [])) == 0
+  finally:
+    jax.config.update(decode.ASYNC_DISPATCH, True)
+  assert dropped == ([True] if sync else [])
   printed = capsys.readouterr().out
 
   written = sorted(p.name for p in tmp_path.iterdir())
   assert len(written) == 2 and written[0].startswith("decode-test-"), written
-  assert written[0].endswith("-quick.json") and written[1].endswith("-quick.md"), written
+  suffix = "-quick-sync" if sync else "-quick"
+  assert written[0].endswith(suffix + ".json") and written[1].endswith(suffix + ".md"), written
   record = json.loads((tmp_path / written[0]).read_text())
   assert record["steps"] == 3 and record["repeats"] == 2
+  assert record["cpu_async_dispatch"] is (not sync)
   assert {"jax", "numpy", "cudnn", "commit"} <= set(record["versions"])
   patterns = ("loop", "step", "eager")
   timed = {(impl, pattern) for impl in ("ours-xla", "flax-cells") for pattern in patterns}
@@ -59,8 +74,10 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys)
       assert r["per_token_s"] == pytest.approx(r["median_s"] / tokens)
       assert len(r["times_s"]) == 2 and min(r["times_s"]) <= r["median_s"] <= max(r["times_s"])
 
-  # The table: per-token microseconds, ratios against ours-cudnn on a GPU, else ours-xla.
+  # The table: per-token microseconds, ratios against ours-cudnn on a GPU, else ours-xla;
+  # its lead-in says when the calls ran on the calling thread.
   table = (tmp_path / written[1]).read_text()
+  assert ("--sync-dispatch" in table.split("## ")[0]) is sync
   ours = "ours-cudnn" if as_gpu else "ours-xla"
   for pattern in patterns:
     section = table.split(f"## {pattern}\n")[1].split("##")[0]
