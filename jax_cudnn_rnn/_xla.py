@@ -397,11 +397,16 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 # XLA:CPU splits each of the loop's small per-step products over its threads
 # and waits for them, and on a 2-core Xeon (AMX) that gained almost nothing:
 # the LSTM B16 T256 I128 H256 float32 forward took 29.6 ms on both cores and
-# 31.0 on one (PyTorch: 14.2 and 23.7). XLA runs independent operations of one
-# program side by side, though, as it does a bidirectional layer's two
+# 31.0 on one (PyTorch: 14.2 and 23.7). XLA can run independent operations of
+# one program side by side, though, as it can a bidirectional layer's two
 # directions: a unidirectional layer's forward alone cuts its batch into
 # `LANES` lanes, each a recurrence of its own in the same loop, with its part
-# of the `seq_lengths` mask. Forward, float32, interleaved in one process, ms,
+# of the `seq_lengths` mask. (Whether it does at a given step is XLA:CPU's
+# choice: its thunk executor hands ready operations to a second thread only
+# when more than 8 are ready, so two lanes' products run side by side only
+# where the first one's work goes to the thread pool; a trace shows both
+# cases. The gains below are measured; their mechanism is not taken apart:
+# benchmarks/NOTES.md, session 52.) Forward, float32, interleaved in one process, ms,
 # one lane -> two (benchmarks/NOTES.md, session 41):
 #   LSTM B16 T256 I128 H256 28.2 -> 23.1, with seq_lengths 31.9 -> 26.6;
 #   GRU, same shape, 20.6 -> 14.0, with seq_lengths 22.0 -> 14.3;
