@@ -406,8 +406,8 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 # when more than 8 are ready, so two lanes' products run side by side only
 # where the first one's work goes to the thread pool; a trace shows both
 # cases. The gains below are measured; their mechanism is not taken apart:
-# benchmarks/NOTES.md, session 52.) Forward, float32, interleaved in one process, ms,
-# one lane -> two (benchmarks/NOTES.md, session 41):
+# benchmarks/NOTES.md, session 52.) Forward, float32, interleaved in one
+# process, ms, one lane -> two (benchmarks/NOTES.md, session 41):
 #   LSTM B16 T256 I128 H256 28.2 -> 23.1, with seq_lengths 31.9 -> 26.6;
 #   GRU, same shape, 20.6 -> 14.0, with seq_lengths 22.0 -> 14.3;
 #   B64 T32 I128 H256: LSTM 9.27 -> 8.82, GRU 8.54 -> 6.12;
