@@ -10,7 +10,10 @@ modes, and each needs its own mechanism:
   are part of the arrays' types, known while tracing. `explicit_over_batch`
   runs the whole fused RNN (its `custom_vjp` included) under `jax.shard_map`
   over the axes that split the batch; JAX then sums the replicated weights'
-  gradient over them.
+  gradient over them. The mesh is the one in the data's type, named in every
+  resharding (`NamedSharding`, not a bare `PartitionSpec`): arrays placed on
+  an explicit mesh run under `jit` without `jax.set_mesh` too, and a bare
+  spec would need it.
 - Auto axes (`jit` on sharded arrays, shardings decided by the partitioner):
   `over_batch` wraps each FFI call in `custom_partitioning`, whose rule ties
   every operand's and result's batch dimension to one factor, keeps every
@@ -113,7 +116,7 @@ def batch_like(array, axis: int, like, like_axis: int):
   own = _explicit(array)
   if own is not None and _entry(own[1], axis) == entry:
     return array
-  return jax.sharding.reshard(array, _spec(entry, axis, array.ndim))
+  return jax.sharding.reshard(array, NamedSharding(explicit[0], _spec(entry, axis, array.ndim)))
 
 
 def explicit_over_batch(fn, operands, in_axes: Axes, out_axes: Axes):
@@ -132,7 +135,8 @@ def explicit_over_batch(fn, operands, in_axes: Axes, out_axes: Axes):
   mesh, spec = explicit
   entry, _ = _split(dict(mesh.shape), _entry(spec, axis), x.shape[axis])
   in_specs = tuple(_spec(entry, a, o.ndim) for o, a in zip(operands, in_axes))
-  operands = tuple(jax.sharding.reshard(o, s) for o, s in zip(operands, in_specs))
+  operands = tuple(jax.sharding.reshard(o, NamedSharding(mesh, s))
+                   for o, s in zip(operands, in_specs))
   out_ndims = [o.ndim for o in jax.eval_shape(fn, *operands)]
   out_specs = tuple(_spec(entry, a, n) for a, n in zip(out_axes, out_ndims))
   # check_vma=False: JAX then sums the replicated weights' cotangents over the

@@ -49,15 +49,23 @@ def model(monkeypatch):
   return HandlerModel().install(monkeypatch.setattr)
 
 
+# The sharding modes: "explicit" and "auto" (the module docstring), and
+# "explicit-unset": an explicit mesh whose arrays are placed and used without
+# `jax.set_mesh` (JAX runs them so: the mesh is in their types), where the
+# library must take the mesh from the arrays rather than from the context.
+MODES = ["explicit", "explicit-unset", "auto"]
+
+
 def _mesh(mode):
-  axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+  axis_type = AxisType.Explicit if mode.startswith("explicit") else AxisType.Auto
   return jax.make_mesh((DEVICES,), ("data",), axis_types=(axis_type,))
 
 
 @contextlib.contextmanager
 def _in(mesh, mode):
-  """Explicit meshes are used through `jax.set_mesh`, as JAX's guide has it;
-  auto ones through the arrays' shardings alone (plain `jit`)."""
+  """Explicit meshes are used through `jax.set_mesh`, as JAX's guide has it
+  (but for "explicit-unset"); auto ones through the arrays' shardings alone
+  (plain `jit`)."""
   if mode == "explicit":
     with jax.set_mesh(mesh):
       yield
@@ -127,7 +135,7 @@ def _spec_at(array, axis):
   return spec[axis] if len(spec) > axis else None
 
 
-@pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("implementation", ["xla", "cudnn"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_batch_sharded_equals_one_device(request, case, implementation, mode):
@@ -156,7 +164,7 @@ def test_batch_sharded_equals_one_device(request, case, implementation, mode):
     assert local, model.x_shapes
 
 
-@pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("implementation", ["xla", "cudnn"])
 def test_inference_batch_sharded_equals_one_device(request, implementation, mode):
   """`is_training=False`: the cuDNN path's inference call (the one that folds
@@ -214,7 +222,7 @@ def test_inside_a_users_shard_map(request, implementation):
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["explicit", "auto", "shard_map"])
+@pytest.mark.parametrize("mode", MODES + ["shard_map"])
 def test_bfloat16_batch_sharded(mode):
   """A bfloat16 model on the "xla" path, whose forward and backward products
   are `_rounded_dot`s, a primitive of this package's own (its sharding rules
@@ -313,7 +321,7 @@ def test_native_handler_receives_its_devices_rows():
   assert report[:10] == [3, 2, 6, 4, 1, 0, 0, int(cfg.allow_tf32), 1, 0], report
 
 
-@pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("implementation", ["xla", "cudnn"])
 def test_linen_module_train_step(request, implementation, mode):
   """A Flax module (batch-major, initial state left to the module: zeros that
