@@ -134,11 +134,16 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     c0 = None
   params = _params._check_params(spec, params)
   lengths = _check_seq_lengths(seq_lengths, batch, steps)
-  # Data parallelism under explicit sharding: the states and lengths follow
-  # the data's batch sharding (zeros made above have none of their own).
+  # Data parallelism under explicit sharding: every operand is split by the
+  # data's batch alone (`_partition.batch_like`): the states and lengths
+  # follow it (zeros made above have none of their own), and any other split
+  # (time, features, units, layers, the weight buffer) is gathered first.
   data_axis = 1 if time_major else 0
-  h0, c0 = (_partition.batch_like(s, 1, x, data_axis) for s in (h0, c0))
-  lengths = _partition.batch_like(lengths, 0, x, data_axis)
+  like = x
+  x = _partition.batch_like(x, data_axis, like, data_axis)
+  h0, c0 = (_partition.batch_like(s, 1, like, data_axis) for s in (h0, c0))
+  lengths = _partition.batch_like(lengths, 0, like, data_axis)
+  params = _partition.batch_like(params, None, like, data_axis)
   apply_dropout = bool(is_training) and spec.dropout > 0 and spec.num_layers > 1
   if apply_dropout:
     if dropout_key is None:

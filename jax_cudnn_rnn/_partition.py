@@ -34,8 +34,10 @@ accept a reserve larger than cuDNN's size. On one device that costs under
 `batch` bytes.
 
 DESIGN §4 has no file for this; it is one idea of its own, which `_cudnn.py`
-uses and tests/sharded_cases.py checks over four CPU devices (the "xla" path
-needs none of it: XLA partitions its scan by batch itself).
+uses and tests/sharded_cases.py checks over four CPU devices. Of it, the
+"xla" path needs only `batch_like` (every operand split by the data's batch
+alone, under explicit sharding, applied in `_ops.rnn` for both paths): XLA
+partitions its scan by batch itself.
 """
 
 from __future__ import annotations
@@ -101,22 +103,34 @@ def _entry(spec, axis: int):
   return spec[axis] if len(spec) > axis else None
 
 
-def batch_like(array, axis: int, like, like_axis: int):
-  """`array`, its dimension `axis` sharded as `like`'s dimension `like_axis`
-  is, under explicit sharding; as is otherwise (or when they already agree).
+def batch_like(array, axis: int | None, like, like_axis: int):
+  """`array` split, under explicit sharding, along its dimension `axis` alone,
+  as `like`'s dimension `like_axis` is, and whole along every other (`axis`
+  None: whole everywhere, replicated); as is otherwise, or where it is split so
+  already.
 
   The initial states a caller leaves out are zeros with no sharding of their
   own, and a `lax.scan` whose carry starts replicated and comes back split by
-  batch is refused; so the states and lengths follow the data's batch.
+  batch is refused; so the states and lengths follow the data's batch. Any
+  other split is undone (gathered): the "xla" path's scan cannot run over a
+  time axis split across devices, nor its products and slices over weights,
+  states or units split so (JAX refuses each at trace time), and the cuDNN
+  path runs each device's rows whole anyway (`explicit_over_batch`).
   """
   explicit = _explicit(like)
   if array is None or explicit is None:
     return array
-  entry = _entry(explicit[1], like_axis)
+  mesh, spec = explicit
+  target = _spec(_entry(spec, like_axis), axis, array.ndim)
   own = _explicit(array)
-  if own is not None and _entry(own[1], axis) == entry:
+  if own is not None and _axes(own[1], array.ndim) == _axes(target, array.ndim):
     return array
-  return jax.sharding.reshard(array, NamedSharding(explicit[0], _spec(entry, axis, array.ndim)))
+  return jax.sharding.reshard(array, NamedSharding(mesh, target))
+
+
+def _axes(spec, ndim: int) -> tuple:
+  """The mesh axes splitting each of `ndim` dimensions under `spec`."""
+  return tuple(_mesh_axes(_entry(spec, d)) for d in range(ndim))
 
 
 def explicit_over_batch(fn, operands, in_axes: Axes, out_axes: Axes):

@@ -257,6 +257,49 @@ def test_bfloat16_batch_sharded(mode):
     assert relative_error(got, want) <= 1e-2, relative_error(got, want)
 
 
+# Operands split along other dimensions than the batch too, on a 2 x 2 mesh
+# ("data" x "model"): (x, states, params, lengths) specs, time-major x.
+OTHER_SPLITS = {
+    "x over time": (P("model", "data", None), P(None, "data", None), P(), P("data")),
+    "x over features": (P(None, "data", "model"), P(None, "data", None), P(), P("data")),
+    "states over units": (P(None, "data", None), P(None, "data", "model"), P(), P("data")),
+    "states over layers": (P(None, "data", None), P("model", "data", None), P(), P("data")),
+    "params split": (P(None, "data", None), P(None, "data", None), P("model"), P("data")),
+}
+
+
+@pytest.mark.parametrize("mode", ["explicit", "explicit-unset"])
+@pytest.mark.parametrize("implementation", ["xla", "cudnn"])
+@pytest.mark.parametrize("split", sorted(OTHER_SPLITS))
+def test_other_splits_are_gathered(request, split, implementation, mode):
+  """Under explicit sharding, an operand split along a dimension other than
+  the batch (the time axis, the features, the states' units or layers, the
+  weight buffer) is gathered before the RNN runs (`_partition.batch_like`):
+  the "xla" path's scan and products are refused by JAX's sharding types
+  otherwise (and were, before). Values and gradients as on one device, each
+  gradient split like its operand."""
+  if implementation == "cudnn":
+    request.getfixturevalue("model")
+  # Every split dimension even (features 4, units 6, 4 states, 36 steps: chunked).
+  spec = jcr.CudnnLSTM(2, 6, 4, direction="bidirectional", **F64)
+  operands, loss, _ = _problem(spec, dict(steps=36, lengths=True))
+  (want_value, want_grads), _ = _values_and_grads(loss, operands, implementation)
+  mesh = jax.make_mesh((2, DEVICES // 2), ("data", "model"),
+                       axis_types=(AxisType.Explicit,) * 2)
+  x_spec, state_spec, params_spec, lengths_spec = OTHER_SPLITS[split]
+  x, h, c, params, lengths = operands
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  sharded = (put(x, x_spec), put(h, state_spec), put(c, state_spec), put(params, params_spec),
+             put(lengths, lengths_spec))
+  with _in(mesh, mode):
+    (value, grads), _ = _values_and_grads(loss, sharded, implementation)
+  np.testing.assert_allclose(value, want_value, rtol=1e-12)
+  for got, want, operand in zip(grads, want_grads, sharded[:4]):
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert got.sharding.is_equivalent_to(operand.sharding, got.ndim), (got.sharding,
+                                                                     operand.sharding)
+
+
 def test_rounded_dot_vmapped_weights_explicit():
   """`vmap(grad)` over two weight sets of a `_rounded_dot`, the data split by
   batch on an explicit mesh: its weight-gradient transposes carry an output
