@@ -205,6 +205,36 @@ def test_grad_through_canonical_conversion_matches_direct():
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_runs_under_strict_dtype_promotion(cls, dtype):
+  # A half-precision model computes in float32 (and multiplies bfloat16
+  # operands: `_xla.operand_dtype`); none of that may lean on implicit dtype
+  # promotion, which `jax_numpy_dtype_promotion="strict"` refuses. Its values,
+  # gradient and forward-mode derivative there equal those under "standard".
+  spec = cls(2, 4, 4, input_mode="skip_input", direction="bidirectional", dtype=dtype)
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = random_inputs(spec, 40, 3)
+  lengths = np.array([40, 1, 0], np.int32)
+
+  def loss(p, x, h):
+    out = call(spec, x, h, c, p, seq_lengths=lengths)
+    return sum(jnp.sum(o.astype(jnp.float32) ** 2) for o in out if o is not None)
+
+  def derivatives():
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, x, h)
+    tangent = jax.jvp(lambda p: loss(p, x, h), (params,), (params,))[1]
+    return value, grads, tangent
+
+  with jax.numpy_dtype_promotion("standard"):
+    expected = derivatives()
+  with jax.numpy_dtype_promotion("strict"):
+    got = derivatives()
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, b)
+  assert float(jnp.abs(got[1][0].astype(jnp.float32)).sum()) > 0
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
 @pytest.mark.parametrize("steps", [1, 40])  # one step; chunks of steps (`_xla._chunked_scan`)
 def test_runs_where_implicit_rank_promotion_raises(cls, steps):
   # The values, gradient, forward-mode derivative and vmap under
