@@ -415,8 +415,8 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 #   B8 T256 I128 H256: LSTM 23.6 -> 17.8, GRU 14.1 -> 11.3; GRU B8 T32 2.24 -> 1.59;
 #   LSTM B256 T32 I128 H256 38.0 -> 34.7; RNN-tanh B16 T256 I128 H512 24.4 -> 21.3.
 # Not where the recurrent matrix is small or large (its bytes outside
-# `LANE_WEIGHT_BYTES`): LSTM B16 T256 H128 12.0 -> 12.5, B16 T32 I64 H128 1.44
-# -> 1.50; H512 (4 MiB, more than a core's 2 MiB L2 cache) B16 T128 48.6 ->
+# `LANE_WEIGHT_BYTES`; but for small ones over many sequences, below):
+# LSTM B16 T256 H128 12.0 -> 12.5, B16 T32 I64 H128 1.44 -> 1.50; H512 (4 MiB, more than a core's 2 MiB L2 cache) B16 T128 48.6 ->
 # 56.5, GRU 35.0 -> 38.2, LSTM B64 T64 72.8 -> 76.2; GRU H1024 152.7 -> 154.9.
 # Nor for a bidirectional layer (two recurrences already: 2 layers B32 T64
 # I256 H256 in four lanes, LSTM 59.2 -> 67.8, GRU 42.3 -> 46.5), nor for
@@ -481,6 +481,32 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 # 16.4 -> 17.6). Nor for RNN-tanh and RNN-relu, whose one matrix a step went
 # both ways (tanh T128 H512 B4 1.82 -> 1.99, relu H640 B4 4.07 -> 3.63).
 # Measured on the Zen 5 alone.
+# Small matrices, large batches. Below the window, an LSTM's or GRU's forward
+# alone runs in lanes by batch too where each step's cells are many (batch x
+# hidden units, `SMALL_LANE_MIN_CELLS`) and the matrix not tiny
+# (`SMALL_LANE_MIN_BYTES`). There one lane's chunked forward ran behind Flax's
+# scan at B32-B128 H96-H128 (each step's cell fusions, reading a slice of the
+# chunk's projection, are split over both threads; step by step they were not,
+# and ran at Flax's speed). Forward, float32, I64 unless said, ms, one lane ->
+# two, two runs each (Flax's scan in brackets; benchmarks/NOTES.md, session 53):
+#   LSTM H128 (256 KiB) B32 T32 1.42 / 1.43 -> 1.03 / 1.04 (1.36), B40 T32 1.60
+#   / 1.65 -> 1.19 / 1.20 (1.54), B64 T32 2.74 / 2.71 -> 1.63 / 1.67 (2.67), B128
+#   T32 4.84 / 4.68 -> 4.56 / 3.95 (5.2), B32 T100 4.11 / 4.56 -> 3.96 / 3.98
+#   (3.86), B64 T100 I128 8.77 / 8.82 -> 6.06 / 6.27 (9.2); H96 B48 1.21 / 1.14
+#   -> 0.94 / 0.90 (1.31), B64 1.77 / 1.85 -> 1.14 / 1.14 (1.71), B128 T100 9.89
+#   / 9.86 -> 7.06 / 7.33 (9.7); H80 I128 B64 1.55 / 1.51 -> 1.36 / 1.34 (1.80);
+#   H64 (64 KiB) B64 0.98 / 1.00 -> 0.77 / 0.80 (1.02), B128 1.71 / 1.73 ->
+#   1.29 / 1.27 (1.85);
+#   GRU H128 (192 KiB) B64 2.37 / 2.32 -> 1.88 / 1.97 (1.98), B128 3.80 / 3.86
+#   -> 2.71 / 2.74 (3.94), B64 T100 I128 7.83 / 7.70 -> 5.13 / 5.17 (7.9); H112
+#   B64 1.95 / 2.08 -> 1.63 / 1.65 (1.86); H96 B96 2.14 / 2.17 -> 1.59 / 1.57
+#   (2.10), B128 2.54 / 2.75 -> 2.02 / 2.09 (2.59).
+# Where the cells were fewer, lanes tied or lost: LSTM H128 B16 0.75 -> 0.77,
+# H96 B32 0.87 -> 0.88, H64 B16 0.29 -> 0.30; GRU H128 B32 1.00 -> 1.01 and
+# T100 2.71 -> 3.05, H96 B64 1.39 -> 1.39, H64 B128 (48 KiB) 1.34 -> 1.60 (but
+# B256 2.90 -> 2.51).
+SMALL_LANE_MIN_CELLS = {"lstm": 4096, "gru": 7168}  # batch x units; other cells: none
+SMALL_LANE_MIN_BYTES = {"lstm": 64 * 1024, "gru": 96 * 1024}  # of R
 LANES = 2
 LANE_MIN_BATCH = 8
 LANE_WEIGHT_BYTES = (256 * 1024, 2 * 1024 * 1024)  # (above, at most): one direction's R
@@ -515,8 +541,9 @@ BFLOAT16_UNIT_LANE_MODES = frozenset({"lstm", "gru"})
 def forward_lanes(mode, operands, xs, R) -> str | None:
   """How the forward alone of a `mode` layer over `xs` (its inputs, a tuple
   over directions) runs in `LANES` lanes: "units" (`_forward_in_unit_lanes`)
-  or "batch" (`_forward_in_batch_lanes`) where the comments above say, else
-  None (one lane). `operands`: `operand_dtype` of the model; `R` its recurrent
+  or "batch" (`_forward_in_batch_lanes`) where the comments above say (for a
+  matrix below `LANE_WEIGHT_BYTES`, `SMALL_LANE_MIN_CELLS`), else None (one
+  lane). `operands`: `operand_dtype` of the model; `R` its recurrent
   weights in the computation dtype. The window's bytes are those of `R` as the
   products read it: float32 (float16 models too), or bfloat16."""
   steps, batch = xs[0].shape[:2]
@@ -538,7 +565,12 @@ def forward_lanes(mode, operands, xs, R) -> str | None:
   units = nbytes >= UNIT_LANE_MIN_BYTES.get(mode, np.inf)
   if batch >= LANE_MIN_BATCH:
     low, high = LANE_WEIGHT_BYTES
-    if not low < nbytes <= high:
+    if nbytes <= low:
+      cells = batch * R[0].shape[0]
+      small = (nbytes >= SMALL_LANE_MIN_BYTES.get(mode, np.inf)
+               and cells >= SMALL_LANE_MIN_CELLS.get(mode, np.inf))
+      return "batch" if small else None
+    if nbytes > high:
       return None
     return "units" if units and batch <= UNIT_LANE_MAX_BATCH.get(mode, 0) else "batch"
   return "units" if units and batch >= LANES else None

@@ -215,7 +215,9 @@ def test_forward_lanes_rule(monkeypatch):
   """Multiplied in float32 (float32 and float16 models), over 32 steps or more,
   on a single CPU device: from 8 sequences, lanes where the one direction's
   recurrent matrix has more than 256 KiB and at most 2 MiB, by unit for an
-  LSTM's of at least 1 MiB over at most 16 sequences, else by batch; below 8,
+  LSTM's of at least 1 MiB over at most 16 sequences, else by batch; and by
+  batch where it has at most 256 KiB but at least 64 KiB (an LSTM's) or 96 KiB
+  (a GRU's) and batch x units reach 4096 (LSTM) or 7168 (GRU); below 8,
   lanes by unit for an LSTM's of at least 1 MiB or a GRU's of at least
   1.25 MiB, from 2 sequences; else one lane."""
   units = [("lstm", 2, 256, 256), ("lstm", 7, 32, 256), ("gru", 4, 64, 384),
@@ -226,13 +228,20 @@ def test_forward_lanes_rule(monkeypatch):
            ("rnn_relu", 16, 256, 300), ("lstm", 256, 32, 256), ("gru", 8, 64, 192),
            ("lstm", 9, 64, 160), ("gru", 64, 32, 384), ("lstm", 17, 256, 362),
            ("gru", 8, 256, 418), ("rnn_tanh", 8, 256, 257), ("rnn_tanh", 16, 256, 724),
-           ("lstm", 16, 256, 255), ("gru", 16, 256, 384)]
+           ("lstm", 16, 256, 255), ("gru", 16, 256, 384),
+           # small matrices, many cells
+           ("lstm", 32, 32, 128), ("lstm", 64, 32, 64), ("lstm", 48, 100, 96),
+           ("gru", 64, 32, 112), ("gru", 96, 32, 96), ("gru", 256, 64, 128)]
   one = [("lstm", 16, 256, 128), ("lstm", 16, 256, 512), ("gru", 16, 256, 128),
          ("rnn_tanh", 16, 256, 256), ("gru", 16, 256, 1024), ("lstm", 4, 256, 255),
          ("lstm", 16, 256, 363), ("gru", 8, 256, 419), ("rnn_tanh", 16, 256, 725),
          ("lstm", 7, 256, 192), ("gru", 4, 256, 330), ("lstm", 1, 256, 256),
          ("lstm", 4, 31, 256), ("lstm", 16, 31, 256), ("lstm", 16, 1, 256),
-         ("rnn_relu", 4, 256, 512), ("rnn_tanh", 7, 256, 1024)]
+         ("rnn_relu", 4, 256, 512), ("rnn_tanh", 7, 256, 1024),
+         # small matrices: too few cells, or too small a matrix, or not LSTM/GRU
+         ("lstm", 31, 32, 128), ("lstm", 32, 32, 96), ("lstm", 256, 32, 63),
+         ("gru", 64, 32, 96), ("gru", 128, 32, 64), ("gru", 63, 32, 112),
+         ("rnn_tanh", 128, 32, 128), ("rnn_relu", 256, 32, 128), ("lstm", 64, 31, 128)]
   assert [_lanes(*case) for case in units] == ["units"] * len(units)
   assert [_lanes(*case) for case in batch] == ["batch"] * len(batch)
   assert [_lanes(*case) for case in one] == [None] * len(one)
@@ -279,6 +288,24 @@ def test_forward_lanes_in_the_program():
     x, h, c = (jnp.asarray(a) for a in random_inputs(spec, 32, B))
     grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(_xla.rnn(spec, x, h, c, params)[0])))(x)
     assert _scan_carry_shapes(grad) == [[(B, 256)] * 2] * 2, B
+
+
+def test_small_matrix_over_many_sequences_runs_in_lanes():
+  """An LSTM with a small recurrent matrix (H64: 64 KiB) over 64 sequences runs
+  its forward in two lanes by batch (`_xla.SMALL_LANE_MIN_CELLS`), each carrying
+  32 sequences' states; its values, final states and gradient as the
+  reference's (float32: the lanes apply to float32 products only)."""
+  spec = jcr.CudnnLSTM(1, 64, 8)
+  x, h, c = (jnp.asarray(a) for a in random_inputs(spec, 32, 64))
+  params = spec.init_params(jax.random.key(0))
+  run = lambda rnn, x: rnn(spec, x, h, c, params)
+  forward = jax.jit(lambda x: run(_xla.rnn, x))
+  assert _scan_carry_shapes(jax.make_jaxpr(lambda x: run(_xla.rnn, x)[0])(x)) == [[(32, 64)] * 4]
+  for a, b in zip(forward(x), run(_reference.rnn, x)):  # float32: rounding apart
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  loss = lambda rnn: lambda x: jnp.sum(jnp.sin(run(rnn, x)[0]))
+  np.testing.assert_allclose(jax.grad(loss(_xla.rnn))(x), jax.grad(loss(_reference.rnn))(x),
+                             rtol=1e-4, atol=1e-6)
 
 
 def _assert_lanes_match_reference(run, forward, x):
