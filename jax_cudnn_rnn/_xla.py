@@ -416,8 +416,9 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 #   LSTM B256 T32 I128 H256 38.0 -> 34.7; RNN-tanh B16 T256 I128 H512 24.4 -> 21.3.
 # Not where the recurrent matrix is small or large (its bytes outside
 # `LANE_WEIGHT_BYTES`; but for small ones over many sequences, below):
-# LSTM B16 T256 H128 12.0 -> 12.5, B16 T32 I64 H128 1.44 -> 1.50; H512 (4 MiB, more than a core's 2 MiB L2 cache) B16 T128 48.6 ->
-# 56.5, GRU 35.0 -> 38.2, LSTM B64 T64 72.8 -> 76.2; GRU H1024 152.7 -> 154.9.
+# LSTM B16 T256 H128 12.0 -> 12.5, B16 T32 I64 H128 1.44 -> 1.50; H512 (4 MiB,
+# more than a core's 2 MiB L2 cache) B16 T128 48.6 -> 56.5, GRU 35.0 -> 38.2,
+# LSTM B64 T64 72.8 -> 76.2; GRU H1024 152.7 -> 154.9.
 # Nor for a bidirectional layer (two recurrences already: 2 layers B32 T64
 # I256 H256 in four lanes, LSTM 59.2 -> 67.8, GRU 42.3 -> 46.5), nor for
 # bfloat16 operands (`operand_dtype`), whose products are quick on that
@@ -484,8 +485,8 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 # Small matrices, large batches. Below the window, an LSTM's or GRU's forward
 # alone runs in lanes by batch too where each step's cells are many (batch x
 # hidden units, `SMALL_LANE_MIN_CELLS`) and the matrix not tiny
-# (`SMALL_LANE_MIN_BYTES`). There one lane's chunked forward ran behind Flax's
-# scan at B32-B128 H96-H128 (each step's cell fusions, reading a slice of the
+# (`SMALL_LANE_MIN_BYTES`). There one lane's chunked forward ran at or behind
+# Flax's scan at B32-B128 H96-H128 (each step's cell fusions, reading a slice of the
 # chunk's projection, are split over both threads; step by step they were not,
 # and ran at Flax's speed). Forward, float32, I64 unless said, ms, one lane ->
 # two, two runs each (Flax's scan in brackets; benchmarks/NOTES.md, session 53):
