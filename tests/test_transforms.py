@@ -204,6 +204,18 @@ def test_grad_through_canonical_conversion_matches_direct():
   np.testing.assert_allclose(spec.canonical_to_params(gw, gb), g_direct, rtol=1e-12)
 
 
+def _same_under(setting, loose, strict, derivatives):
+  """`derivatives()` under `setting(strict)` (a JAX config context), checked
+  equal, leaf by leaf, to it under `setting(loose)`; returns the former."""
+  with setting(loose):
+    expected = derivatives()
+  with setting(strict):
+    got = derivatives()
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, b)
+  return got
+
+
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_runs_under_strict_dtype_promotion(cls, dtype):
@@ -225,12 +237,7 @@ def test_runs_under_strict_dtype_promotion(cls, dtype):
     tangent = jax.jvp(lambda p: loss(p, x, h), (params,), (params,))[1]
     return value, grads, tangent
 
-  with jax.numpy_dtype_promotion("standard"):
-    expected = derivatives()
-  with jax.numpy_dtype_promotion("strict"):
-    got = derivatives()
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
-    np.testing.assert_array_equal(a, b)
+  got = _same_under(jax.numpy_dtype_promotion, "standard", "strict", derivatives)
   assert float(jnp.abs(got[1][0].astype(jnp.float32)).sum()) > 0
 
 
@@ -256,10 +263,5 @@ def test_runs_where_implicit_rank_promotion_raises(cls, steps):
     batched = jax.vmap(lambda x: loss(params, x, h))(np.stack([x, 2 * x]))
     return value, grads, tangent, batched
 
-  with jax.numpy_rank_promotion("allow"):
-    expected = derivatives()
-  with jax.numpy_rank_promotion("raise"):
-    got = derivatives()
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
-    np.testing.assert_array_equal(a, b)
+  got = _same_under(jax.numpy_rank_promotion, "allow", "raise", derivatives)
   assert float(jnp.abs(got[1][0]).sum()) > 0
