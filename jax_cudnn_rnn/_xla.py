@@ -486,9 +486,9 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 # alone runs in lanes by batch too where each step's cells are many (batch x
 # hidden units, `SMALL_LANE_MIN_CELLS`) and the matrix not tiny
 # (`SMALL_LANE_MIN_BYTES`). There one lane's chunked forward ran at or behind
-# Flax's scan at B32-B128 H96-H128 (each step's cell fusions, reading a slice of the
-# chunk's projection, are split over both threads; step by step they were not,
-# and ran at Flax's speed). Forward, float32, I64 unless said, ms, one lane ->
+# Flax's scan at B32-B128 H96-H128 (each step's cell fusions, reading a slice
+# of the chunk's projection, are split over both threads; step by step they
+# were not, and ran at Flax's speed). Forward, float32, I64 unless said, ms, one lane ->
 # two, two runs each (Flax's scan in brackets; benchmarks/NOTES.md, session 53):
 #   LSTM H128 (256 KiB) B32 T32 1.42 / 1.43 -> 1.03 / 1.04 (1.36), B40 T32 1.60
 #   / 1.65 -> 1.19 / 1.20 (1.54), B64 T32 2.74 / 2.71 -> 1.63 / 1.67 (2.67), B128
