@@ -655,11 +655,15 @@ def _weight_tangent_matmul(mode, operands, matmul, dtype):
   cotangent (`x^T du`, `[in, g*H]`, its result behind a barrier, transposed
   into the opaque layout by the gradient's concatenation), for which XLA copies
   the smaller `x` transposed instead (the bfloat16 models' products always
-  did). A GRU's input and recurrent weights meet different cotangents
-  (`_gru_cell`), so that saves two copies of `[T, B, 3H]`: forward+backward,
+  did). A GRU's input and recurrent weights then met different cotangents
+  (`_gru_cell`), and that saved two copies of `[T, B, 3H]`: forward+backward,
   interleaved A/Bs (ms, MiB): GRU B16 T256 I128 H256 73.8 -> 71.9, 57.5 ->
   49.5; B64 T32 I128 H256 30.8 -> 27.4, 28.5 -> 24.5; B32 T100 I256 H256, 3
   layers, 99.0 -> 92.7 MiB at the same speed (benchmarks/NOTES.md, session 27).
+  They now share one (`_layer_jvp`), and this orientation is still the faster
+  for a GRU (ms, `du^T x` -> `x^T du`: B16 T256 I128 H256 50.1 -> 42.3, B64
+  T32 I128 H256 18.0 -> 15.2, B64 T100 I128 H128 22.0 -> 20.2; 3 layers B32
+  T100 I256 H256 106.8 -> 107.5; session 54).
   The LSTM and the plain RNNs share one cotangent between their two weight
   gradients, whose one copy feeds both matmuls; there the other orientation
   measured slower (LSTM B32 T100 I256 H256, 3 layers: 235.5 -> 242.7 ms).
@@ -683,15 +687,25 @@ def _layer_jvp(mode, operands, primals, tangents):
   # and summed per gate into what the step adds to dc' and dh' (LSTM,
   # `[T, B, 2H]`) or to dh' (GRU, `[T, B, H]`), so that the loop adds nothing
   # to the pre-activations. Reverse mode then stacks that narrower cotangent
-  # over the steps instead of one of `[T, B, g*H]`. A GRU's `n` gate
-  # multiplies its input and recurrent terms by different coefficients
-  # (`_gru_cell`), so its input terms (dx W, x dW, dbW) and its recurrent
-  # weights' terms (h dR, dbR) are each multiplied by their own; before, it
-  # stacked a `[T, B, 3H]` cotangent besides its `[T, B, H]` one. Forward+
-  # backward, interleaved A/Bs: GRU B16 T256 I128 H256 81 -> 74 ms, 61.5 ->
-  # 57.5 MiB; in bfloat16 66 -> 56 ms, 49.8 -> 43.8 MiB; LSTM B32 T100 I256
-  # H256, 2 bidirectional layers, 188.7 -> 163.6 MiB at the same speed
+  # over the steps instead of one of `[T, B, g*H]`. Forward+backward,
+  # interleaved A/Bs: GRU B16 T256 I128 H256 81 -> 74 ms, 61.5 -> 57.5 MiB; in
+  # bfloat16 66 -> 56 ms, 49.8 -> 43.8 MiB; LSTM B32 T100 I256 H256, 2
+  # bidirectional layers, 188.7 -> 163.6 MiB at the same speed
   # (benchmarks/NOTES.md, session 24).
+  # A GRU's `n` gate multiplies its recurrent terms by other coefficients than
+  # the rest, `k_n * r` (`_gru_cell`). Its recurrent weights' terms were
+  # multiplied apart from the input terms (dx W, x dW, dbW), so that reverse
+  # mode stacked two `[T, B, 3H]` cotangents; now only the n block of the
+  # recurrent terms is, and it stacks one `[T, B, 3H]` and one `[T, B, H]`, at
+  # the price of an `[H, H]` weight-gradient product more. Forward+backward,
+  # interleaved A/Bs, float32 unless said (ms, MiB): GRU B64 T100 I128 H128
+  # 31.1 -> 21.2, 41.2 -> 32.0 (Flax's scan 25.0, 35.4: XLA:CPU takes a
+  # call's temporary buffers afresh, and glibc maps those over 32 MiB anew on
+  # each call, so that every page faults in; README's Performance); in
+  # bfloat16 23.1 -> 14.6, 34.6 -> 32.5; B16 T256 I128 H256 46.4 -> 43.5,
+  # 49.5 -> 45.5; B128 T32 I64 H128 11.4 -> 11.2, 24.4 -> 22.4; B32 T100
+  # I256 H256 2 bidirectional layers 168 -> 167, 141.7 -> 138.5
+  # (benchmarks/NOTES.md, session 54).
   def term(*terms):  # a [T, B, .] sum of [T, B, .] and bias terms, None if all zero
     total = _sum(*terms)
     return None if total is None else jnp.broadcast_to(total, (T, B, total.shape[-1]))
@@ -706,21 +720,26 @@ def _layer_jvp(mode, operands, primals, tangents):
     Wd = None if W is None else round_(W[d])
     dx = None if _zero(txs[d]) else _reference.project(txs[d], Wd, g, matmul)
     dw = None if W is None or _zero(tW[d]) else weights_matmul(xs[d], tW[d])
-    dr = None if _zero(tR[d]) else weights_matmul(hprev, tR[d])
+    dr = lambda cols=None: None if _zero(tR[d]) else weights_matmul(
+        hprev, tR[d] if cols is None else cols(tR[d]))  # h_{t-1} dR, of some columns
     if gru:
+      # R's tangent is multiplied twice: with its n block zeroed (a mask,
+      # whose transpose masks the `[H, 3H]` gradient), into the terms that
+      # K multiplies, and its n block alone, which k_n * r multiplies (above).
       K, r, _ = res[d]
-      parts = []
-      ax = _sum(dx, dw, tbW[d])
-      if ax is not None:
-        parts.append(_reference.lift(ax, K.ndim) * K)
-      ar = _sum(dr, tbR[d])
-      if ar is not None:  # the recurrent coefficients: k_n * r in the n block
-        n_block = jnp.concatenate([jnp.ones_like(K[..., :2 * r.shape[-1]]), r], -1)
-        parts.append(_reference.lift(ar, K.ndim) * K * n_block)
-      X.append(term(_blocksum(_sum(*parts), g)) if parts else None)
+      H = r.shape[-1]
+      rz = (np.arange(g * H) < 2 * H).astype(K.dtype)  # the r and z blocks' columns
+      a = _sum(dx, dw, dr(lambda t: t * rz[None]), tbW[d],
+               None if _zero(tbR[d]) else tbR[d] * rz)
+      x_t = None if a is None else _blocksum(_reference.lift(a, K.ndim) * K, g)
+      an = _sum(dr(lambda t: t[:, 2 * H:]), None if _zero(tbR[d]) else tbR[d][2 * H:])
+      if an is not None:
+        n_rec = _reference.lift(an, K.ndim) * (K[..., 2 * H:] * r)
+        x_t = n_rec if x_t is None else x_t + n_rec
+      X.append(None if x_t is None else term(x_t))
       A.append(None)
     elif lstm:  # X_t = [the i, f, g blocks of A K summed (into dc'), the o block (into dh')]
-      a = _sum(dx, dw, dr, tbW[d], tbR[d])
+      a = _sum(dx, dw, dr(), tbW[d], tbR[d])
       if a is None:
         X.append(None)
       else:
@@ -728,7 +747,7 @@ def _layer_jvp(mode, operands, primals, tangents):
         X.append(term(jnp.concatenate([a_i + a_f + a_g, a_o], -1)))
       A.append(None)
     else:
-      A.append(term(dx, dw, dr, tbW[d], tbR[d]))
+      A.append(term(dx, dw, dr(), tbW[d], tbR[d]))
       X.append(None)
 
   # The recurrent term is written against R^T ([g*H, H], the opaque buffer's

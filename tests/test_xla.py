@@ -513,16 +513,60 @@ def test_weight_gradient_orientation(cls, dtype, inputs_first):
   loss = lambda impl: lambda p: jnp.sum(jnp.sin(impl(spec, x, h, c, p)[0].astype(jnp.float32)))
   eqns = list(jaxpr_equations(jax.make_jaxpr(jax.grad(loss(_xla.rnn)))(params)))
   # The weight gradients: products of the cotangents by a layer's inputs (5 or
-  # 8 wide) or its states (4 wide), contracting time and batch.
+  # 8 wide) or its states (4 wide), contracting time and batch. A GRU's R
+  # meets two cotangents, one for its n block alone (4 wide; `_xla._layer_jvp`).
   gH = spec.num_gates * 4
   products = [e.outvars[0].aval.shape for e in eqns
               if e.primitive.name in ("dot_general", "jcr_rounded_dot")
               and len(e.params["dimension_numbers"][0][0]) == 2]
-  assert len(products) == 2 * 2 * 2, products  # W and R of 2 layers x 2 directions
-  assert all(p == ((p[0], gH) if inputs_first else (gH, p[1])) for p in products), products
+  gru = cls is jcr.CudnnGRU
+  # W and R of 2 layers x 2 directions, and a GRU's R's n block
+  assert len(products) == 2 * 2 * (3 if gru else 2), products
+  widths = [p[1] if inputs_first else p[0] for p in products]
+  assert sorted(widths) == sorted([gH] * 8 + ([4] * 4 if gru else [])), products
+  assert all(p[0 if inputs_first else 1] in (4, 5, 8) for p in products), products
   want = jax.grad(loss(_reference.rnn))(params)
   assert relative_error(jax.grad(loss(_xla.rnn))(params), want) < (
       1e-5 if dtype == jnp.float32 else 4e-3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gru_gradient_stacks_one_gate_wide_cotangent(dtype):
+  """A GRU's gradient multiplies one `[T, B, 3H]` cotangent per layer and
+  direction, by the layer's inputs (`dW`), its states (`dR`, its n block
+  masked off) and `W` (`dx`); R's n block meets a `[T, B, H]` one of its own
+  (`_xla._layer_jvp`). It stacked two of `[T, B, 3H]` before (session 54:
+  forward+backward in 78% of the memory at B64 T100 I128 H128). Values and
+  gradients against the reference, with and without the recurrent bias's n
+  block (which the same split multiplies)."""
+  T, B, H = 7, 3, 4
+  spec = jcr.CudnnGRU(2, H, 5, direction="bidirectional", dtype=dtype)
+  x, h, _ = random_inputs(spec, T, B)
+  params = spec.init_params(jax.random.key(3))
+  loss = lambda impl: lambda x, p: jnp.sum(jnp.sin(impl(spec, x, h, None, p)[0].astype(
+      jnp.float32)))
+  jaxpr = jax.make_jaxpr(jax.grad(loss(_xla.rnn), argnums=(0, 1)))(x, params)
+  operands = {}
+  for e in jaxpr_equations(jaxpr):
+    if e.primitive.name in ("dot_general", "jcr_rounded_dot"):
+      for v in e.invars:
+        if hasattr(v, "aval") and v.aval.shape[:2] == (T, B):
+          operands.setdefault(v.aval.shape[2], set()).add(v)
+  assert len(operands[3 * H]) == 2 * 2, operands  # one per layer and direction
+  assert len(operands[H]) == 2 * 2 * 2, operands  # the states h_{t-1}, and that one
+  tol = 1e-5 if dtype == jnp.float32 else 1e-2
+  for got, want in zip(jax.grad(loss(_xla.rnn), argnums=(0, 1))(x, params),
+                       jax.grad(loss(_reference.rnn), argnums=(0, 1))(x, params)):
+    assert relative_error(got, want) < tol
+  # With R's and the biases' r and z blocks zeroed, the recurrent terms reach
+  # the loss through the n gate alone.
+  weights, biases = spec.params_to_canonical(params)
+  n_only = lambda t, k: t if k % 3 == 2 else jnp.zeros_like(t)
+  weights = [n_only(w, k) if (k // 3) % 2 else w for k, w in enumerate(weights)]
+  p2 = spec.canonical_to_params(weights, [n_only(b, k) for k, b in enumerate(biases)])
+  for got, want in zip(jax.grad(loss(_xla.rnn), argnums=(0, 1))(x, p2),
+                       jax.grad(loss(_reference.rnn), argnums=(0, 1))(x, p2)):
+    assert relative_error(got, want) < tol
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
