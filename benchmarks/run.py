@@ -106,6 +106,7 @@ def grid(quick: bool, gpu: bool) -> list[Shape]:
     for dtype in ("float32", "bfloat16"):
       shapes += [
           Shape(mode, 8, 32, 64, 128, 1, False, dtype),             # small batch, short
+          Shape(mode, 64 * big, 32, 64, 128, 1, False, dtype),      # many sequences, small R
           Shape(mode, 64 * big, 32, 128, 256, 1, False, dtype),     # large batch, short
           Shape(mode, 16, 256, 128, 256, 1, False, dtype),          # long sequence
           Shape(mode, 32 * big, 100, 256, 256 * big, 2, True, dtype),  # deep, bidirectional
