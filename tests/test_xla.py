@@ -536,9 +536,9 @@ def test_gru_gradient_stacks_one_gate_wide_cotangent(dtype):
   direction, by the layer's inputs (`dW`), its states (`dR`, its n block
   masked off) and `W` (`dx`); R's n block meets a `[T, B, H]` one of its own
   (`_xla._layer_jvp`). It stacked two of `[T, B, 3H]` before (session 54:
-  forward+backward in 78% of the memory at B64 T100 I128 H128). Values and
-  gradients against the reference, with and without the recurrent bias's n
-  block (which the same split multiplies)."""
+  forward+backward in 78% of the memory at B64 T100 I128 H128). Gradients
+  against the reference, also with the r and z blocks of R and of the biases
+  zeroed, so that the recurrent terms reach the loss through the n gate alone."""
   T, B, H = 7, 3, 4
   spec = jcr.CudnnGRU(2, H, 5, direction="bidirectional", dtype=dtype)
   x, h, _ = random_inputs(spec, T, B)
@@ -558,8 +558,6 @@ def test_gru_gradient_stacks_one_gate_wide_cotangent(dtype):
   for got, want in zip(jax.grad(loss(_xla.rnn), argnums=(0, 1))(x, params),
                        jax.grad(loss(_reference.rnn), argnums=(0, 1))(x, params)):
     assert relative_error(got, want) < tol
-  # With R's and the biases' r and z blocks zeroed, the recurrent terms reach
-  # the loss through the n gate alone.
   weights, biases = spec.params_to_canonical(params)
   n_only = lambda t, k: t if k % 3 == 2 else jnp.zeros_like(t)
   weights = [n_only(w, k) if (k // 3) % 2 else w for k, w in enumerate(weights)]
