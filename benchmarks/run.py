@@ -14,7 +14,8 @@ with respect to the input and all weights). Each figure is the median of
 `--repeats` timings (after warm-up and compilation) and the spread
 (interquartile range), timed in round-robin rounds across the contenders so that
 a slow stretch of a noisy machine falls on all alike, each timed call led in by an
-untimed call of the same contender (`--lead-in`); and the memory each call
+untimed call of the same contender (`--lead-in`), with the minor page faults of each
+timed call (`_time_interleaved`); and the memory each call
 needs beyond its inputs (`MEMORY_MEASURE`): for JAX contenders XLA's temporary
 and output buffers of the compiled computation (`memory_analysis()`, any
 backend), plus, for `ours-cudnn`, the cuDNN workspace its handlers take from
@@ -44,6 +45,11 @@ import subprocess
 import sys
 import time
 from unittest import mock
+
+try:
+  import resource
+except ImportError:  # not on Windows
+  resource = None
 
 import numpy as np
 import jax
@@ -148,8 +154,14 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
   call ran 6-38% slower than one made after itself (PyTorch's OpenMP threads, still
   spinning; benchmarks/NOTES.md, sessions 17 and 44; `LEAD_IN_S`). `lead_in` 0 makes no
   untimed calls, whatever `lead_in_s`.
+  Per timed call also the process's minor page faults (`minor_faults`; None where
+  `resource` is missing): XLA:CPU takes a call's temporary buffers afresh, and glibc maps
+  one over its mmap threshold (at most 32 MiB) anew on every call, so that each of its
+  pages faults in, about 1 us each on these machines (README's tip on `GLIBC_TUNABLES`;
+  benchmarks/NOTES.md, sessions 25 and 54), a cost that differs between contenders whose
+  buffers fall on either side of the threshold.
   A contender that fails is reported as `{"error": ...}`."""
-  samples, failed = {name: [] for name in fns}, {}
+  samples, faults, failed = {name: [] for name in fns}, {name: [] for name in fns}, {}
   for name, fn in fns.items():
     try:
       for _ in range(warmup):
@@ -168,9 +180,13 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
             fn()
             made += 1
         for _ in range(per_round):
+          faults_before = _minor_faults()
           start = time.perf_counter()
           fn()
           samples[name].append(time.perf_counter() - start)
+          faults_after = _minor_faults()
+          if faults_before is not None:
+            faults[name].append(faults_after - faults_before)
       except Exception as e:
         failed[name] = f"{type(e).__name__}: {e}"
   out = {}
@@ -182,8 +198,14 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
     # Every timing too, in the order taken: a median with a wide range may hide two
     # populations (session 31 in benchmarks/NOTES.md), which only the timings show.
     out[name] = {"median_s": float(median), "iqr_s": float(q3 - q1),
-                 "repeats": len(samples[name]), "times_s": [float(t) for t in samples[name]]}
+                 "repeats": len(samples[name]), "times_s": [float(t) for t in samples[name]],
+                 "minor_faults": faults[name] or None}
   return out
+
+
+def _minor_faults() -> int | None:
+  """The process's minor page faults so far; None where `resource` is missing (Windows)."""
+  return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 MEMORY_MEASURE = ("bytes a call needs beyond its inputs: XLA temp + outputs - aliased "
@@ -496,6 +518,18 @@ def markdown(results: list[dict], device: str) -> str:
     lines.append(f"| {shape} | {mib(rows.get(ours))} | "
                  + " | ".join(mib(rows.get(p)) for p in peers) + " |")
   lines.append("")
+  faults = lambda r: "—" if r is None or not r.get("minor_faults") else \
+      f"{np.median(r['minor_faults']):.0f}"
+  if any(r.get("minor_faults") for r in results):
+    lines += ["## page faults a call, fwd+bwd (median)", "",
+              "Minor page faults of the whole process during each timed call (`getrusage`).", "",
+              "| shape | ours | " + " | ".join(peers) + " |",
+              "|---|---:|" + "---:|" * len(peers)]
+    for shape in dict.fromkeys(r["shape"] for r in results):
+      rows = {r["impl"]: r for r in results if r["shape"] == shape and r["phase"] == "fwd+bwd"}
+      lines.append(f"| {shape} | {faults(rows.get(ours))} | "
+                   + " | ".join(faults(rows.get(p)) for p in peers) + " |")
+    lines.append("")
   # Compile times: for the contenders compiled ahead of their calls (not PyTorch).
   compiled = [i for i in dict.fromkeys(r["impl"] for r in results)
               if any(r.get("compile_s") is not None for r in results if r["impl"] == i)]

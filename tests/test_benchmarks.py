@@ -61,6 +61,9 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   record = json.loads((tmp_path / written[0]).read_text())
   assert record["machine"] == "test-v0.1" and record["repeats"] == 2
   assert record["rounds"] == 2  # by default one timing per contender per round
+  if importlib.util.find_spec("resource") is not None:  # each timed call's page faults
+    assert all(len(r["minor_faults"]) == r["repeats"] for r in record["results"]), record
+    assert "## page faults a call" in (tmp_path / f"{stem[1]}.md").read_text()
   assert record["lead_in"] == 1  # each led in by an untimed call of its own
   # ... and by untimed calls for at least 30 ms on a CPU (PyTorch's threads spin on)
   assert record["lead_in_s"] == (0.0 if as_gpu else 0.03)
@@ -150,6 +153,30 @@ def test_timing_rounds_interleave_the_contenders(rounds, lead_in, order):
   assert calls[:2] == ["a", "b"]  # the warm-up calls
   assert calls[2:] == order
   assert all(timed[name]["repeats"] == 3 for name in fns)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("resource") is None, reason="no getrusage")
+def test_timings_count_each_calls_page_faults():
+  """Each timed call's minor page faults are kept beside its time: a contender
+  that writes 64 MiB of freshly mapped memory every call (as XLA:CPU's buffers
+  over glibc's 32 MiB threshold are) faults on every page of it, one that
+  reuses its buffer does not."""
+  run = load_benchmark("run")
+  pages = 64 * 2**20 // 4096
+  kept = np.zeros(64 * 2**20, np.uint8)
+
+  def fresh():
+    np.ones(64 * 2**20, np.uint8)  # mmap-ed anew (over glibc's threshold), written, freed
+
+  def reused():
+    kept.fill(1)
+
+  timed = run._time_interleaved({"fresh": fresh, "reused": reused}, repeats=4, warmup=1,
+                                rounds=2, lead_in=0)
+  assert len(timed["fresh"]["minor_faults"]) == 4
+  # At least one a 2 MiB page: numpy asks for transparent huge pages (here: 544 faults).
+  assert all(f >= pages // 512 for f in timed["fresh"]["minor_faults"]), timed["fresh"]
+  assert all(f < pages // 1000 for f in timed["reused"]["minor_faults"]), timed["reused"]
 
 
 @pytest.mark.parametrize("lead_in", [0, 1])
