@@ -508,28 +508,25 @@ def markdown(results: list[dict], device: str) -> str:
     lines += ratio_table([r for r in results if r["phase"] == phase], ours, peers, "median_s",
                          "ms", 1e3, 2)
     lines.append("")
-  mib = lambda r: "—" if r is None or r.get("memory_bytes") is None else \
-      f"{r['memory_bytes'] / 2**20:.1f}"
-  lines += ["## memory, fwd+bwd (MiB)", "",
-            f"Measure: {MEMORY_MEASURE}.", "",
-            "| shape | ours | " + " | ".join(peers) + " |", "|---|---:|" + "---:|" * len(peers)]
-  for shape in dict.fromkeys(r["shape"] for r in results):
-    rows = {r["impl"]: r for r in results if r["shape"] == shape and r["phase"] == "fwd+bwd"}
-    lines.append(f"| {shape} | {mib(rows.get(ours))} | "
-                 + " | ".join(mib(rows.get(p)) for p in peers) + " |")
-  lines.append("")
-  faults = lambda r: "—" if r is None or not r.get("minor_faults") else \
-      f"{np.median(r['minor_faults']):.0f}"
-  if any(r.get("minor_faults") for r in results):
-    lines += ["## page faults a call, fwd+bwd (median)", "",
-              "Minor page faults of the whole process during each timed call (`getrusage`).", "",
-              "| shape | ours | " + " | ".join(peers) + " |",
-              "|---|---:|" + "---:|" * len(peers)]
+  def training_table(title, measure, cell):  # a figure per shape and contender, fwd+bwd
+    out = [title, "", f"Measure: {measure}.", "",
+           "| shape | ours | " + " | ".join(peers) + " |", "|---|---:|" + "---:|" * len(peers)]
     for shape in dict.fromkeys(r["shape"] for r in results):
       rows = {r["impl"]: r for r in results if r["shape"] == shape and r["phase"] == "fwd+bwd"}
-      lines.append(f"| {shape} | {faults(rows.get(ours))} | "
-                   + " | ".join(faults(rows.get(p)) for p in peers) + " |")
-    lines.append("")
+      out.append(f"| {shape} | {cell(rows.get(ours))} | "
+                 + " | ".join(cell(rows.get(p)) for p in peers) + " |")
+    return out + [""]
+
+  lines += training_table(
+      "## memory, fwd+bwd (MiB)", MEMORY_MEASURE,
+      lambda r: "—" if r is None or r.get("memory_bytes") is None else
+      f"{r['memory_bytes'] / 2**20:.1f}")
+  if any(r.get("minor_faults") for r in results):
+    lines += training_table(
+        "## page faults a call, fwd+bwd (median)",
+        "minor page faults of the whole process during each timed call (`getrusage`)",
+        lambda r: "—" if r is None or not r.get("minor_faults") else
+        f"{np.median(r['minor_faults']):.0f}")
   # Compile times: for the contenders compiled ahead of their calls (not PyTorch).
   compiled = [i for i in dict.fromkeys(r["impl"] for r in results)
               if any(r.get("compile_s") is not None for r in results if r["impl"] == i)]
