@@ -537,6 +537,28 @@ LANE_DTYPES = frozenset({np.dtype(np.float32)})  # of the products (float16 mode
 # does a CPU of another kind (`_cpu.bfloat16_dot_products`).
 BFLOAT16_UNIT_LANE_BYTES = (384 * 1024, 2 * 1024 * 1024)  # of R in bfloat16, both included
 BFLOAT16_UNIT_LANE_MODES = frozenset({"lstm", "gru"})
+# Below that window, from 256 KiB (LSTM H182-H221, GRU H210-H255), lanes by
+# unit gained over 24 to 112 sequences, and not outside them. There YNNPACK
+# splits many of one lane's per-step products over the two cores, and the
+# caller waits for the other (`SlinkyThreadPool::Await`: a bare loop of an
+# LSTM's product, B64, waited on 26 of 32 steps at H192, on 7 at H224), by
+# the product's shape in no order found: one lane, T32 I64 B64, ms: H176
+# 2.04, H192 3.31, H216 5.80, H224 2.69. Forward, bfloat16, ms, one lane / by
+# unit, two runs each (benchmarks/NOTES.md, session 55):
+#   LSTM T32 I64 B32: H184 1.84 / 1.26, H192 1.60 / 1.17, H200 2.71 / 1.42,
+#   H208 3.18 / 2.60, H216 3.80 / 3.01; B64: 2.93 / 2.23, 3.31 / 2.03, 2.97 /
+#   2.47, 3.31 / 2.30 (5.04 / 4.18 in one run), 5.80 / 4.59; T100 I64 B48:
+#   13.4 / 9.1, 13.1 / 9.3, -, 8.4 / 5.4, 7.7 / 5.8; T64 I128 H192 B24 2.88 /
+#   1.97, B112 10.1 / 7.3; T50 I256 H208 B64 7.0 / 4.8; GRU T64 I128 H224 B32
+#   4.6 / 2.6, H240 B64 7.4 / 5.1; T32 I64 H232 B48 2.38 / 1.86, H248 B96
+#   4.18 / 3.56; T100 I64 H224 B112 13.1 / 10.4;
+# but outside those batches: LSTM B16 T128 I128 H192 3.53 / 4.28, H208 3.54 /
+# 4.97; B16 T32 I64 H192 0.96 / 1.04; B128 T32 I64 H216 5.04 / 6.53; GRU
+# B128 T100 I64 H224 22.4 / 23.2; and below 256 KiB the LSTM lost (T100 I64
+# H160 B64 5.46 / 7.65, H176 B32 3.82 / 4.54; T32 I64 H128 B128 2.46 / 3.37)
+# or went both ways (T32 I64 H176 B64 2.04 / 1.85, H128 B32 1.16 / 1.03).
+BFLOAT16_NARROW_UNIT_LANE_BYTES = 256 * 1024  # of R in bfloat16, included
+BFLOAT16_NARROW_UNIT_LANE_BATCH = (24, 112)  # both included
 
 
 def forward_lanes(mode, operands, xs, R) -> str | None:
@@ -559,8 +581,10 @@ def forward_lanes(mode, operands, xs, R) -> str | None:
   nbytes = R[0].size * products.itemsize
   if bfloat16:
     low, high = BFLOAT16_UNIT_LANE_BYTES
-    if (mode in BFLOAT16_UNIT_LANE_MODES and low <= nbytes <= high and batch >= LANES
-        and _cpu.bfloat16_dot_products()):
+    fewest, most = BFLOAT16_NARROW_UNIT_LANE_BATCH
+    window = (low <= nbytes <= high and batch >= LANES) or (
+        BFLOAT16_NARROW_UNIT_LANE_BYTES <= nbytes < low and fewest <= batch <= most)
+    if mode in BFLOAT16_UNIT_LANE_MODES and window and _cpu.bfloat16_dot_products():
       return "units"
     return None
   units = nbytes >= UNIT_LANE_MIN_BYTES.get(mode, np.inf)

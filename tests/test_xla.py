@@ -338,8 +338,9 @@ def test_bfloat16_forward_lanes_rule(monkeypatch):
   """bfloat16 products on a CPU with AVX512-BF16 and without AMX: lanes by
   unit for an LSTM's or GRU's forward alone whose recurrent matrix has 384 KiB
   to 2 MiB in bfloat16 (LSTM H222-H512, GRU H256-H591), over 2 sequences or
-  more and 32 steps or more, on a single CPU device; else one lane, as on a
-  CPU with AMX or whose flags are unknown."""
+  more, and from 256 KiB (LSTM H182, GRU H210) over 24 to 112 sequences; over
+  32 steps or more, on a single CPU device; else one lane, as on a CPU with
+  AMX or whose flags are unknown."""
   monkeypatch.setattr(_cpu, "flags", lambda: AVX512_BF16)
   lanes = lambda *case, directions=1: _lanes(*case, dtype=jnp.bfloat16, directions=directions)
   units = [("lstm", 16, 256, 256), ("lstm", 2, 32, 256), ("lstm", 256, 32, 256),
@@ -350,6 +351,15 @@ def test_bfloat16_forward_lanes_rule(monkeypatch):
          ("rnn_tanh", 16, 256, 512), ("rnn_relu", 16, 256, 400), ("lstm", 16, 256, 128)]
   assert [lanes(*case) for case in units] == ["units"] * len(units)
   assert [lanes(*case) for case in one] == [None] * len(one)
+  # Below 384 KiB, from 256 KiB: only over 24 to 112 sequences.
+  narrow = [("lstm", 24, 32, 182), ("lstm", 112, 100, 221), ("lstm", 64, 32, 192),
+            ("gru", 24, 64, 210), ("gru", 112, 32, 255)]
+  narrow_one = [("lstm", 23, 32, 192), ("lstm", 113, 32, 192), ("lstm", 64, 32, 181),
+                ("gru", 64, 32, 209), ("gru", 16, 128, 224), ("gru", 128, 100, 224),
+                ("lstm", 64, 31, 192), ("rnn_tanh", 64, 32, 400)]
+  assert [lanes(*case) for case in narrow] == ["units"] * len(narrow)
+  assert [lanes(*case) for case in narrow_one] == [None] * len(narrow_one)
+  assert lanes("lstm", 64, 32, 192, directions=2) is None
   assert lanes("lstm", 16, 256, 256, directions=2) is None
   symbolic_batch, = jax.export.symbolic_shape("b")
   assert lanes("lstm", symbolic_batch, 256, 256) is None
@@ -364,6 +374,7 @@ def test_bfloat16_forward_lanes_rule(monkeypatch):
     monkeypatch.setattr(_cpu, "flags", lambda: flags)
     assert lanes("lstm", 16, 256, 256) is None, flags
     assert lanes("gru", 4, 128, 384) is None, flags
+    assert lanes("lstm", 64, 32, 192) is None, flags
 
 
 @pytest.fixture
