@@ -555,8 +555,9 @@ BFLOAT16_UNIT_LANE_MODES = frozenset({"lstm", "gru"})
 # but outside those batches: LSTM B16 T128 I128 H192 3.53 / 4.28, H208 3.54 /
 # 4.97; B16 T32 I64 H192 0.96 / 1.04; B128 T32 I64 H216 5.04 / 6.53; GRU
 # B128 T100 I64 H224 22.4 / 23.2; and below 256 KiB the LSTM lost (T100 I64
-# H160 B64 5.46 / 7.65, H176 B32 3.82 / 4.54; T32 I64 H128 B128 2.46 / 3.37)
-# or went both ways (T32 I64 H176 B64 2.04 / 1.85, H128 B32 1.16 / 1.03).
+# H160 B64 5.46 / 7.65, H176 B32 3.82 / 4.54; T32 I64 H128 B128 2.46 / 3.37),
+# gaining at a few batches only (T32 I64 H176 B64 2.04 / 1.85, H128 B32 1.16 /
+# 1.03).
 BFLOAT16_NARROW_UNIT_LANE_BYTES = 256 * 1024  # of R in bfloat16, included
 BFLOAT16_NARROW_UNIT_LANE_BATCH = (24, 112)  # both included
 
