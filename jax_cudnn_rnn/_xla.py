@@ -656,6 +656,11 @@ def _zero(t) -> bool:
   return t is None or isinstance(t, SymbolicZero)
 
 
+def _of(t, f):
+  """`f(t)`, or None where `t` is a symbolic zero."""
+  return None if _zero(t) else f(t)
+
+
 def _sum(*terms):
   """Sum of the terms that are not symbolic zeros (a bias's `[g*H]` broadcast
   against the others' `[T, B, g*H]`); None when all are."""
@@ -743,10 +748,10 @@ def _layer_jvp(mode, operands, primals, tangents):
   for d in range(D):
     hprev = jnp.concatenate([h0[d][None], ys[d][:-1]])
     Wd = None if W is None else round_(W[d])
-    dx = None if _zero(txs[d]) else _reference.project(txs[d], Wd, g, matmul)
-    dw = None if W is None or _zero(tW[d]) else weights_matmul(xs[d], tW[d])
-    dr = lambda cols=None: None if _zero(tR[d]) else weights_matmul(
-        hprev, tR[d] if cols is None else cols(tR[d]))  # h_{t-1} dR, of some columns
+    dx = _of(txs[d], lambda t: _reference.project(t, Wd, g, matmul))
+    dw = None if W is None else _of(tW[d], lambda t: weights_matmul(xs[d], t))
+    dr = lambda cols=lambda t: t: _of(  # h_{t-1} dR, of some columns
+        tR[d], lambda t: weights_matmul(hprev, cols(t)))
     if gru:
       # R's tangent is multiplied twice: with its n block zeroed (a mask,
       # whose transpose masks the `[H, 3H]` gradient), into the terms that
@@ -754,10 +759,11 @@ def _layer_jvp(mode, operands, primals, tangents):
       K, r, _ = res[d]
       H = r.shape[-1]
       rz = (np.arange(g * H) < 2 * H).astype(K.dtype)  # the r and z blocks' columns
-      a = _sum(dx, dw, dr(lambda t: t * rz[None]), tbW[d],
-               None if _zero(tbR[d]) else tbR[d] * rz)
+      rz_cols = lambda t: t * _reference.lift(rz, t.ndim)
+      n_cols = lambda t: t[..., 2 * H:]
+      a = _sum(dx, dw, dr(rz_cols), tbW[d], _of(tbR[d], rz_cols))
       x_t = None if a is None else _blocksum(_reference.lift(a, K.ndim) * K, g)
-      an = _sum(dr(lambda t: t[:, 2 * H:]), None if _zero(tbR[d]) else tbR[d][2 * H:])
+      an = _sum(dr(n_cols), _of(tbR[d], n_cols))
       if an is not None:
         n_rec = _reference.lift(an, K.ndim) * (K[..., 2 * H:] * r)
         x_t = n_rec if x_t is None else x_t + n_rec
