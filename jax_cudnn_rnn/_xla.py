@@ -538,13 +538,14 @@ LANE_DTYPES = frozenset({np.dtype(np.float32)})  # of the products (float16 mode
 BFLOAT16_UNIT_LANE_BYTES = (384 * 1024, 2 * 1024 * 1024)  # of R in bfloat16, both included
 BFLOAT16_UNIT_LANE_MODES = frozenset({"lstm", "gru"})
 # Below that window, from 256 KiB (LSTM H182-H221, GRU H210-H255), lanes by
-# unit gained over 24 to 112 sequences, and not outside them. There YNNPACK
-# splits many of one lane's per-step products over the two cores, and the
-# caller waits for the other (`SlinkyThreadPool::Await`: a bare loop of an
-# LSTM's product, B64, waited on 26 of 32 steps at H192, on 7 at H224), by
-# the product's shape in no order found: one lane, T32 I64 B64, ms: H176
-# 2.04, H192 3.31, H216 5.80, H224 2.69. Forward, bfloat16, ms, one lane / by
-# unit, two runs each (benchmarks/NOTES.md, session 55):
+# unit gained over 24 to 112 sequences (or tied: GRU H248 B24 T32), and went
+# both ways outside them. There YNNPACK splits many of one lane's per-step
+# products over the two cores, and the caller waits for the other
+# (`SlinkyThreadPool::Await`: a bare loop of an LSTM's product, B64, waited on
+# 26 of 32 steps at H192, on 7 at H224), by the product's shape in no order
+# found: one lane, T32 I64 B64, ms: H176 2.04, H192 3.31, H216 5.80, H224
+# 2.69. Forward, bfloat16, ms, one lane / by unit, two runs each
+# (benchmarks/NOTES.md, session 55):
 #   LSTM T32 I64 B32: H184 1.84 / 1.26, H192 1.60 / 1.17, H200 2.71 / 1.42,
 #   H208 3.18 / 2.60, H216 3.80 / 3.01; B64: 2.93 / 2.23, 3.31 / 2.03, 2.97 /
 #   2.47, 3.31 / 2.30 (5.04 / 4.18 in one run), 5.80 / 4.59; T100 I64 B48:
