@@ -21,7 +21,10 @@ Canonical tree (stable names, a file format): `{"layer_<l>": {"forward" |
 
 Restoring checks the spec (each differing field named), the format version,
 every array's presence and shape; any problem raises `CheckpointError` and
-returns nothing partial. `save` writes through Orbax's atomic temporary
+returns nothing partial. Given a `sharding`, the restored buffer is placed
+with it (replicated over a mesh, say), each device's part taken from the
+host copy (`jax.make_array_from_callback`), as each process of a multi-host
+run would (not run here: one host). `save` writes through Orbax's atomic temporary
 directory and only then replaces an existing checkpoint; it refuses to replace
 a file or a directory that is not a checkpoint.
 """
@@ -145,7 +148,7 @@ def _write(directory: epath.Path, spec, params) -> None:
   (directory / SPEC_FILE).write_text(json.dumps(record, indent=1))
 
 
-def _read(directory: epath.Path, spec, dtype=None) -> jax.Array:
+def _read(directory: epath.Path, spec, dtype=None, sharding=None) -> jax.Array:
   spec_path, arrays_path = directory / SPEC_FILE, directory / ARRAYS_FILE
   for path in (spec_path, arrays_path):
     if not path.exists():
@@ -185,8 +188,27 @@ def _read(directory: epath.Path, spec, dtype=None) -> jax.Array:
   target = spec if dtype is None else dataclasses.replace(spec, dtype=dtype)
   weights = [arrays[n] for n in names[:len(w_shapes)]]
   biases = [arrays[n] for n in names[len(w_shapes):]]
-  return target.canonical_to_params([jnp.asarray(w) for w in weights],
-                                    [jnp.asarray(b) for b in biases])
+  params = target.canonical_to_params([jnp.asarray(w) for w in weights],
+                                      [jnp.asarray(b) for b in biases])
+  return params if sharding is None else _place(params, sharding)
+
+
+def _check_sharding(sharding) -> None:
+  if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
+    raise TypeError("sharding: expected a jax.sharding.Sharding or None, got "
+                    f"{type(sharding).__name__} {sharding!r}")
+
+
+def _place(params: jax.Array, sharding) -> jax.Array:
+  """`params` placed with `sharding`: each addressable device's part cut from
+  the host copy, so that every process of a multi-host run supplies its own."""
+  host = np.asarray(params)
+  try:
+    sharding.shard_shape(host.shape)  # raises where the buffer cannot be so split
+  except ValueError as e:
+    raise ValueError(f"sharding: {sharding} cannot place the parameter buffer of shape "
+                     f"{host.shape}: {e}") from None
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 class RNNParamsHandler(ocp.CheckpointHandler):
@@ -198,7 +220,7 @@ class RNNParamsHandler(ocp.CheckpointHandler):
   def restore(self, directory: epath.Path, args: "RNNParamsRestore" = None) -> jax.Array:
     if args is None:
       raise CheckpointError("restoring RNN params needs RNNParamsRestore(spec)")
-    return _read(epath.Path(directory), args.spec, args.dtype)
+    return _read(epath.Path(directory), args.spec, args.dtype, args.sharding)
 
   def metadata(self, directory: epath.Path) -> Any:
     path = epath.Path(directory) / SPEC_FILE
@@ -220,13 +242,16 @@ class RNNParamsSave(ocp.args.CheckpointArgs):
 @ocp.args.register_with_handler(RNNParamsHandler, for_restore=True)
 @dataclasses.dataclass
 class RNNParamsRestore(ocp.args.CheckpointArgs):
-  """Restore into an opaque buffer of `spec` (cast to `dtype` if given, else spec.dtype)."""
+  """Restore into an opaque buffer of `spec` (cast to `dtype` if given, else
+  spec.dtype), placed with `sharding` if given."""
 
   spec: Any
   dtype: Any = None
+  sharding: Any = None
 
   def __post_init__(self):
     _spec.check_spec(self.spec, type(self).__name__)
+    _check_sharding(self.sharding)
 
 
 # What a checkpoint directory written by `save` holds (ours and Orbax's files).
@@ -276,12 +301,18 @@ def save(directory, spec, params) -> None:
 
 
 @_spec.takes_spec
-def restore(directory, spec, dtype=None) -> jax.Array:
-  """Restores an opaque buffer of `spec` (cast to `dtype` if given) from `directory`."""
+def restore(directory, spec, dtype=None, *, sharding=None) -> jax.Array:
+  """Restores an opaque buffer of `spec` (cast to `dtype` if given) from `directory`.
+
+  `sharding`: a `jax.sharding.Sharding` to place the buffer with (for a mesh,
+  `NamedSharding(mesh, PartitionSpec())` replicates it); by default it lands
+  on JAX's default device.
+  """
+  _check_sharding(sharding)
   directory = epath.Path(directory).absolute()
   if not directory.exists():
     raise CheckpointError(f"checkpoint directory {directory} does not exist")
   if not directory.is_dir():
     raise CheckpointError(f"{directory} is a file, not a checkpoint directory")
   with ocp.Checkpointer(RNNParamsHandler()) as checkpointer:
-    return checkpointer.restore(directory, args=RNNParamsRestore(spec, dtype))
+    return checkpointer.restore(directory, args=RNNParamsRestore(spec, dtype, sharding))

@@ -413,3 +413,30 @@ def test_uneven_batch_is_not_split(model):
   for g, w in zip(got[1], want[1]):
     np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
   assert not [s for s in model.x_shapes if 6 not in s], model.x_shapes  # never a part
+
+
+def test_checkpoint_restores_replicated_or_split(tmp_path):
+  """`checkpoint.restore(..., sharding=)` over the four devices: replicated,
+  or split where the buffer's length allows it; else a clear error."""
+  from jax_cudnn_rnn import checkpoint
+  mesh = jax.make_mesh((DEVICES,), ("data",))
+  for spec in (jcr.CudnnLSTM(2, 4, 3, direction="bidirectional"), jcr.CudnnGRU(1, 3, 2)):
+    params = spec.init_params(jax.random.key(0))
+    checkpoint.save(tmp_path / type(spec).__name__, spec, params)
+    restore = lambda sharding: checkpoint.restore(tmp_path / type(spec).__name__, spec,
+                                                  sharding=sharding)
+    replicated = restore(NamedSharding(mesh, P()))
+    assert replicated.sharding.is_fully_replicated
+    assert len(replicated.addressable_shards) == DEVICES
+    for shard in replicated.addressable_shards:
+      np.testing.assert_array_equal(shard.data, params)
+    split = NamedSharding(mesh, P("data"))
+    if params.shape[0] % DEVICES == 0:
+      restored = restore(split)
+      parts = [shard.data for shard in restored.addressable_shards]
+      assert [p.shape for p in parts] == [(params.shape[0] // DEVICES,)] * DEVICES
+      np.testing.assert_array_equal(np.concatenate(parts), params)
+    else:
+      with pytest.raises(ValueError, match=rf"sharding: .* cannot place the parameter buffer "
+                                           rf"of shape \({params.shape[0]},\)"):
+        restore(split)

@@ -224,3 +224,34 @@ def test_a_spec_that_is_not_one_is_a_type_error(tmp_path):
     with pytest.raises(TypeError, match=message):
       call()
   assert not (tmp_path / "c").exists()
+
+
+def test_restore_places_with_a_sharding(tmp_path):
+  spec = jcr.CudnnLSTM(1, 4, 3, dtype=jnp.bfloat16)
+  params = spec.init_params(jax.random.key(0))
+  ck.save(tmp_path / "c", spec, params)
+  device = jax.devices()[0]
+  mesh = jax.make_mesh((1,), ("x",))
+  for sharding in (jax.sharding.SingleDeviceSharding(device),
+                   jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))):
+    restored = ck.restore(tmp_path / "c", spec, sharding=sharding)
+    assert restored.sharding == sharding and restored.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(restored, np.float32), np.asarray(params, np.float32))
+  # Through Orbax's arguments too, cast to another dtype on the way.
+  with ocp.Checkpointer(ck.RNNParamsHandler()) as checkpointer:
+    restored = checkpointer.restore(tmp_path / "c", args=ck.RNNParamsRestore(
+        spec, jnp.float32, jax.sharding.SingleDeviceSharding(device)))
+  assert restored.dtype == jnp.float32
+  assert restored.sharding == jax.sharding.SingleDeviceSharding(device)
+  np.testing.assert_array_equal(restored, np.asarray(params, np.float32))
+
+
+def test_a_sharding_that_is_not_one_is_a_type_error(tmp_path):
+  spec = jcr.CudnnGRU(1, 4, 3)
+  ck.save(tmp_path / "c", spec, spec.init_params(jax.random.key(0)))
+  message = r"sharding: expected a jax.sharding.Sharding or None, got str 'cpu'"
+  for call in (lambda: ck.restore(tmp_path / "c", spec, sharding="cpu"),
+               lambda: ck.restore(tmp_path / "missing", spec, sharding="cpu"),
+               lambda: ck.RNNParamsRestore(spec, sharding="cpu")):
+    with pytest.raises(TypeError, match=message):
+      call()
