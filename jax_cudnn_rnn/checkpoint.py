@@ -308,11 +308,11 @@ def restore(directory, spec, dtype=None, *, sharding=None) -> jax.Array:
   `NamedSharding(mesh, PartitionSpec())` replicates it); by default it lands
   on JAX's default device.
   """
-  _check_sharding(sharding)
+  args = RNNParamsRestore(spec, dtype, sharding)  # checks its arguments before any reading
   directory = epath.Path(directory).absolute()
   if not directory.exists():
     raise CheckpointError(f"checkpoint directory {directory} does not exist")
   if not directory.is_dir():
     raise CheckpointError(f"{directory} is a file, not a checkpoint directory")
   with ocp.Checkpointer(RNNParamsHandler()) as checkpointer:
-    return checkpointer.restore(directory, args=RNNParamsRestore(spec, dtype, sharding))
+    return checkpointer.restore(directory, args=args)
