@@ -22,11 +22,23 @@ Canonical tree (stable names, a file format): `{"layer_<l>": {"forward" |
 Restoring checks the spec (each differing field named), the format version,
 every array's presence and shape; any problem raises `CheckpointError` and
 returns nothing partial. Given a `sharding`, the restored buffer is placed
-with it (replicated over a mesh, say), each device's part taken from the
-host copy (`jax.make_array_from_callback`), as each process of a multi-host
-run would (not run here: one host). `save` writes through Orbax's atomic temporary
-directory and only then replaces an existing checkpoint; it refuses to replace
-a file or a directory that is not a checkpoint.
+with it (replicated over a mesh, say), each addressable device's part taken
+from the host copy (`jax.make_array_from_callback`). `save` writes through
+Orbax's atomic temporary directory and only then replaces an existing
+checkpoint; it refuses to replace a file or a directory that is not a
+checkpoint.
+
+Several processes (a multi-host run, `jax.distributed`): every process calls
+`save` / `restore` (or Orbax's `save` / `restore` with our args), as Orbax
+asks, with one directory on a file system they all see. Saving gathers a
+buffer split over several processes' devices (`process_allgather`, a
+collective), and only the primary process (Orbax's `primary_host`, 0 by
+default) writes the files and moves them into place; `save`'s staging
+directory is named from a token process 0 draws and sends to all, and
+`save` returns (or raises, on every process) only once process 0 has put
+the checkpoint in place or failed to. Restoring reads the files in every
+process, each placing its own devices' parts (tested with two processes on
+one machine, `tests/test_checkpoint_multiprocess.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +47,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 import zipfile
 from typing import Any
 
@@ -44,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _layout, _spec
@@ -132,8 +144,20 @@ def _flat_names(spec) -> list[str]:
   return ["/".join(n) for n in w_names + b_names]
 
 
-def _write(directory: epath.Path, spec, params) -> None:
-  params = jax.device_get(params)
+def _host_copy(params) -> np.ndarray:
+  """The whole buffer on this host. A buffer split over several processes'
+  devices is gathered: a collective, so every process must call this."""
+  if (isinstance(params, jax.Array) and not params.is_fully_addressable
+      and not params.is_fully_replicated):
+    return np.asarray(multihost_utils.process_allgather(params, tiled=True))
+  return np.asarray(jax.device_get(params))
+
+
+def _write(directory: epath.Path, spec, params, primary: bool = True) -> None:
+  """Writes the checkpoint's files; every process calls it, the primary writes."""
+  params = _host_copy(params)
+  if not primary:
+    return
   tree = to_canonical_tree(spec, params)
   store = np.float32 if spec.dtype.itemsize < 4 else spec.dtype
   arrays = {}
@@ -212,10 +236,19 @@ def _place(params: jax.Array, sharding) -> jax.Array:
 
 
 class RNNParamsHandler(ocp.CheckpointHandler):
-  """Orbax handler writing and reading one RNN's canonical arrays."""
+  """Orbax handler writing and reading one RNN's canonical arrays.
+
+  `multiprocessing_options`: Orbax's `MultiprocessingOptions`; its
+  `primary_host` (default 0) is the process that writes, as in Orbax's own
+  handlers (None: every process writes, for file systems not shared).
+  """
+
+  def __init__(self, multiprocessing_options=None):
+    self._primary_host = getattr(multiprocessing_options, "primary_host", 0)
 
   def save(self, directory: epath.Path, args: "RNNParamsSave") -> None:
-    _write(epath.Path(directory), args.spec, args.params)
+    primary = self._primary_host is None or self._primary_host == jax.process_index()
+    _write(epath.Path(directory), args.spec, args.params, primary)
 
   def restore(self, directory: epath.Path, args: "RNNParamsRestore" = None) -> jax.Array:
     if args is None:
@@ -273,31 +306,81 @@ def _is_replaceable(directory: epath.Path) -> bool:
     return False
 
 
+def _staging_name(directory: epath.Path) -> str:
+  """A fresh name for `save`'s staging directory beside `directory`, the same
+  in every process (process 0's random token, sent to all)."""
+  token = np.frombuffer(os.urandom(8), np.uint8)
+  if jax.process_count() > 1:
+    token = np.asarray(multihost_utils.broadcast_one_to_all(token), np.uint8)
+  return f".{directory.name}.{token.tobytes().hex()}"
+
+
+def _all_learn(ok: bool) -> bool:
+  """Process 0's `ok`, learnt by every process (a collective where there are
+  several): so that a failure on process 0 raises everywhere, not hangs."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+
+
+def _move_into_place(written: epath.Path, directory: epath.Path,
+                     previous: epath.Path) -> Exception | None:
+  """Replaces `directory` (if any) by `written`; the earlier checkpoint moves
+  to `previous` first and back if the second move fails. Returns the error,
+  None on success."""
+  had_earlier = directory.exists()
+  try:
+    if had_earlier:
+      os.replace(os.fspath(directory), os.fspath(previous))
+  except OSError as e:
+    return e
+  try:
+    os.replace(os.fspath(written), os.fspath(directory))
+  except OSError as e:
+    if had_earlier:
+      try:
+        os.replace(os.fspath(previous), os.fspath(directory))
+      except OSError:
+        return CheckpointError(f"could not move the new checkpoint to {directory} ({e}) nor "
+                               f"the earlier one back; the earlier one is kept at {previous}")
+    return e
+  return None
+
+
 @_spec.takes_spec
 def save(directory, spec, params) -> None:
   """Saves `params` of `spec` to `directory`, replacing a checkpoint there only on success.
 
   Raises `CheckpointError` (writing nothing) where `directory` exists and is
   neither empty nor a checkpoint of this module: a file or a folder of other
-  data is never replaced.
+  data is never replaced. With several processes, each calls it (module doc).
   """
   directory = epath.Path(directory).absolute()
   if directory.exists() and not _is_replaceable(directory):
     kind = "a directory that is not a jax_cudnn_rnn checkpoint" if directory.is_dir() else "a file"
     raise CheckpointError(f"{directory} exists and is {kind}; save replaces only an empty "
                           "directory or an earlier checkpoint, so nothing was written")
-  directory.parent.mkdir(parents=True, exist_ok=True)
-  staging = epath.Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+  primary = jax.process_index() == 0
+  staging = directory.parent / _staging_name(directory)
+  if primary:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging.mkdir(mode=0o700)
+  error = None
   try:
     written = staging / "checkpoint"
     with ocp.Checkpointer(RNNParamsHandler()) as checkpointer:
       checkpointer.save(written, args=RNNParamsSave(spec, params))
-    old = staging / "previous"
-    if directory.exists():
-      os.replace(os.fspath(directory), os.fspath(old))
-    os.replace(os.fspath(written), os.fspath(directory))
+    if primary:
+      error = _move_into_place(written, directory, staging / "previous")
   finally:
-    shutil.rmtree(os.fspath(staging), ignore_errors=True)
+    # A CheckpointError from the move: staging holds the only earlier copy.
+    if primary and not isinstance(error, CheckpointError):
+      shutil.rmtree(os.fspath(staging), ignore_errors=True)
+  if not _all_learn(error is None):
+    if error is not None:
+      raise error
+    raise CheckpointError(f"process 0 could not move the checkpoint into place at "
+                          f"{directory}; its error says why")
 
 
 @_spec.takes_spec

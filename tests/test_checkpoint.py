@@ -213,6 +213,40 @@ def test_save_replaces_a_damaged_checkpoint(tmp_path):
   np.testing.assert_array_equal(ck.restore(tmp_path / "c", spec), params + 1)
 
 
+def test_a_failed_move_keeps_the_earlier_checkpoint(tmp_path, monkeypatch):
+  """Where the new checkpoint cannot be moved into place, the earlier one is
+  moved back (and the error raised); where that fails too, the error says
+  where the earlier one is kept, and it is kept there."""
+  spec = jcr.CudnnGRU(1, 4, 3)
+  params = spec.init_params(jax.random.key(0))
+  ck.save(tmp_path / "c", spec, params)
+  real_replace = os.replace
+  target = str(tmp_path / "c")
+
+  def refuse_the_new_one(src, dst):
+    if dst == target and os.path.basename(src) == "checkpoint":
+      raise PermissionError(f"refused: {src}")
+    return real_replace(src, dst)
+  monkeypatch.setattr(ck.os, "replace", refuse_the_new_one)
+  with pytest.raises(PermissionError, match="refused"):
+    ck.save(tmp_path / "c", spec, params + 1)
+  np.testing.assert_array_equal(ck.restore(tmp_path / "c", spec), params)
+  assert sorted(os.listdir(tmp_path)) == ["c"]  # no staging left behind
+
+  def refuse_both(src, dst):
+    if dst == target:
+      raise PermissionError(f"refused: {src}")
+    return real_replace(src, dst)
+  monkeypatch.setattr(ck.os, "replace", refuse_both)
+  with pytest.raises(ck.CheckpointError, match=r"nor the earlier one back; the earlier one "
+                                               r"is kept at (\S+)") as caught:
+    ck.save(tmp_path / "c", spec, params + 1)
+  monkeypatch.setattr(ck.os, "replace", real_replace)
+  kept = str(caught.value).rsplit(" ", 1)[-1]
+  assert os.path.dirname(os.path.dirname(kept)) == str(tmp_path)
+  np.testing.assert_array_equal(ck.restore(kept, spec), params)
+
+
 def test_a_spec_that_is_not_one_is_a_type_error(tmp_path):
   params = jnp.zeros(10)
   message = r"spec must be a CudnnLSTM, CudnnGRU, CudnnRNNTanh or CudnnRNNRelu, got str 'lstm'"
