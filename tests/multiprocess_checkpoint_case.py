@@ -68,8 +68,9 @@ def main(process_id: int, port: int, directory: str) -> dict:
                  holds(checkpoint.restore(path("replicated"), spec, sharding=split), second))[1])
   check("restored without a sharding, on this process's default device",
         lambda: np.array_equal(np.asarray(checkpoint.restore(path("replicated"), spec)), second))
+
   def bfloat16():
-    half = spec.__class__(1, 8, 4, dtype=jnp.bfloat16)
+    half = jcr.CudnnLSTM(1, 8, 4, dtype=jnp.bfloat16)
     checkpoint.save(path("bf16"), half, place(first.astype(jnp.bfloat16), split))
     restored = checkpoint.restore(path("bf16"), half, jnp.float32, sharding=split)
     return restored.dtype == jnp.float32 and holds(
