@@ -144,20 +144,22 @@ def _flat_names(spec) -> list[str]:
   return ["/".join(n) for n in w_names + b_names]
 
 
-def _host_copy(params) -> np.ndarray:
-  """The whole buffer on this host. A buffer split over several processes'
-  devices is gathered: a collective, so every process must call this."""
-  if (isinstance(params, jax.Array) and not params.is_fully_addressable
-      and not params.is_fully_replicated):
-    return np.asarray(multihost_utils.process_allgather(params, tiled=True))
-  return np.asarray(jax.device_get(params))
+def _is_primary(primary_host: int | None) -> bool:
+  """Whether this process is the one that writes (Orbax's convention: None
+  makes every process one)."""
+  return primary_host is None or primary_host == jax.process_index()
 
 
 def _write(directory: epath.Path, spec, params, primary: bool = True) -> None:
-  """Writes the checkpoint's files; every process calls it, the primary writes."""
-  params = _host_copy(params)
+  """Writes the checkpoint's files; every process calls it, the primary writes.
+  A buffer split over several processes' devices is gathered first, a
+  collective that every process takes part in."""
+  if (isinstance(params, jax.Array) and not params.is_fully_addressable
+      and not params.is_fully_replicated):
+    params = multihost_utils.process_allgather(params, tiled=True)
   if not primary:
     return
+  params = np.asarray(jax.device_get(params))
   tree = to_canonical_tree(spec, params)
   store = np.float32 if spec.dtype.itemsize < 4 else spec.dtype
   arrays = {}
@@ -247,8 +249,7 @@ class RNNParamsHandler(ocp.CheckpointHandler):
     self._primary_host = getattr(multiprocessing_options, "primary_host", 0)
 
   def save(self, directory: epath.Path, args: "RNNParamsSave") -> None:
-    primary = self._primary_host is None or self._primary_host == jax.process_index()
-    _write(epath.Path(directory), args.spec, args.params, primary)
+    _write(epath.Path(directory), args.spec, args.params, _is_primary(self._primary_host))
 
   def restore(self, directory: epath.Path, args: "RNNParamsRestore" = None) -> jax.Array:
     if args is None:
@@ -360,7 +361,7 @@ def save(directory, spec, params) -> None:
     kind = "a directory that is not a jax_cudnn_rnn checkpoint" if directory.is_dir() else "a file"
     raise CheckpointError(f"{directory} exists and is {kind}; save replaces only an empty "
                           "directory or an earlier checkpoint, so nothing was written")
-  primary = jax.process_index() == 0
+  primary = _is_primary(0)  # the process whose token and verdict `_staging_name`, `_all_learn` send
   staging = directory.parent / _staging_name(directory)
   if primary:
     directory.parent.mkdir(parents=True, exist_ok=True)
