@@ -583,16 +583,49 @@ def cpu_heading(device_name: str, cpu: dict) -> str:
   return f"{device_name} ({'; '.join([cpu['model'], ', '.join(cpu['isa']) or 'no AVX2'] + known)})"
 
 
+def usable_cores() -> list[int]:
+  """The cores this process may run on (its affinity; every core where the platform
+  cannot say)."""
+  try:
+    return sorted(os.sched_getaffinity(0))
+  except AttributeError:  # not on Linux
+    return list(range(os.cpu_count() or 1))
+
+
+def pin_cores(n: int) -> list[int]:
+  """Confines this process, every thread of it, to the first `n` of its `usable_cores()`,
+  before JAX starts its CPU backend, whose thread pools (and XLA:CPU's split of a
+  fusion, and YNNPACK's of a product) are sized by the cores the process may use when
+  it starts: a run on fewer cores is then one that JAX and PyTorch see as such.
+  Returns the cores."""
+  usable = usable_cores()
+  if not hasattr(os, "sched_setaffinity"):
+    raise ValueError("--cores needs os.sched_setaffinity (Linux); this platform has none")
+  if not 1 <= n <= len(usable):
+    raise ValueError(f"--cores must be between 1 and {len(usable)}, the cores this process "
+                     f"may use ({usable}), got {n}")
+  from jax._src import xla_bridge
+  initialized = getattr(xla_bridge, "backends_are_initialized", lambda: False)
+  if initialized():
+    raise RuntimeError("--cores must take effect before JAX starts its backend, whose "
+                       "thread pools are sized then; run benchmarks/run.py as a script")
+  cores = usable[:n]
+  for task in pathlib.Path("/proc/self/task").iterdir():  # threads started at import
+    os.sched_setaffinity(int(task.name), cores)
+  os.sched_setaffinity(0, cores)
+  return cores
+
+
 def setting(machine: str | None):
   """`(gpu, have_torch, device_name, cpu, machine)` for a run: whether the cuDNN path
-  can run, whether PyTorch is installed (then set to use every core), JAX's first
-  device, `cpu_description()`, and the machine's name in the output files
-  (`machine`, or one made from the device)."""
+  can run, whether PyTorch is installed (then set to use every core the process may
+  use: `usable_cores()`), JAX's first device, `cpu_description()`, and the machine's
+  name in the output files (`machine`, or one made from the device)."""
   gpu = _cudnn.availability()[0]
   try:
     import torch
     have_torch = True
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(len(usable_cores()))
   except ImportError:
     have_torch = False
     print("torch is not installed: no PyTorch comparison", file=sys.stderr)
@@ -601,7 +634,7 @@ def setting(machine: str | None):
   # Named for what sets the speed: AVX-512 machines get a suffix, so their
   # figures do not overwrite an AVX2 machine's of the same day.
   machine = machine or ("gpu-" + device.device_kind.replace(" ", "-") if gpu
-                        else f"cpu-{os.cpu_count()}core"
+                        else f"cpu-{len(usable_cores())}core"
                         + ("-avx512" if "avx512f" in cpu["isa"] else ""))
   return gpu, have_torch, f"{device.platform}:{device.device_kind}", cpu, machine
 
@@ -636,7 +669,12 @@ def main(argv=None) -> int:
   parser.add_argument("--budget-s", type=float, default=None,
                       help="start no new shape after this many seconds (the files written "
                            "after each shape then hold the shapes finished)")
+  parser.add_argument("--cores", type=int, default=None,
+                      help="run every contender on the first N of the cores this process "
+                           "may use (PyTorch with N threads): to compare them per core, "
+                           "and what each gains from more (benchmarks/NOTES.md, session 57)")
   args = parser.parse_args(argv)
+  cores = pin_cores(args.cores) if args.cores is not None else usable_cores()
   repeats = args.repeats or (12 if args.quick else 21)
   # One timing per contender per round by default: on a noisy machine (this
   # 2-core VM drifts by 20-30%), coarser rounds put a slow stretch on one
@@ -654,6 +692,7 @@ def main(argv=None) -> int:
   # Names built whole, not with `with_suffix`: a machine name may hold a dot ("jax0.12").
   stem = f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
+            "cores": cores,
             "cpu": cpu, "versions": versions(), "quick": args.quick, "repeats": repeats,
             "warmup": args.warmup, "rounds": rounds, "lead_in": args.lead_in,
             "lead_in_s": lead_in_s,
