@@ -592,28 +592,34 @@ def usable_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def pin_cores(n: int) -> list[int]:
-  """Confines this process, every thread of it, to the first `n` of its `usable_cores()`,
-  before JAX starts its CPU backend, whose thread pools (and XLA:CPU's split of a
-  fusion, and YNNPACK's of a product) are sized by the cores the process may use when
-  it starts: a run on fewer cores is then one that JAX and PyTorch see as such.
-  Returns the cores."""
+def run_on_cores(n: int, argv: list[str]) -> int:
+  """Runs this script with `argv` (less its `--cores`) in a process of its own confined
+  to the first `n` of this process's `usable_cores()` from its start, so that JAX's and
+  PyTorch's thread pools, XLA:CPU's split of a fusion and YNNPACK's of a product are all
+  sized for those cores, as on a machine with that many; returns its exit status."""
   usable = usable_cores()
   if not hasattr(os, "sched_setaffinity"):
     raise ValueError("--cores needs os.sched_setaffinity (Linux); this platform has none")
   if not 1 <= n <= len(usable):
     raise ValueError(f"--cores must be between 1 and {len(usable)}, the cores this process "
                      f"may use ({usable}), got {n}")
-  from jax._src import xla_bridge
-  initialized = getattr(xla_bridge, "backends_are_initialized", lambda: False)
-  if initialized():
-    raise RuntimeError("--cores must take effect before JAX starts its backend, whose "
-                       "thread pools are sized then; run benchmarks/run.py as a script")
-  cores = usable[:n]
-  for task in pathlib.Path("/proc/self/task").iterdir():  # threads started at import
-    os.sched_setaffinity(int(task.name), cores)
-  os.sched_setaffinity(0, cores)
-  return cores
+  rest, skip = [], False
+  for arg in argv:
+    if skip:
+      skip = False
+    elif arg == "--cores":
+      skip = True
+    elif not arg.startswith("--cores="):
+      rest.append(arg)
+  # A child takes the affinity of the thread that starts it: this one's, for as long
+  # as the start takes (a `preexec_fn` would fork this multithreaded process).
+  previous = os.sched_getaffinity(0)
+  os.sched_setaffinity(0, usable[:n])
+  try:
+    child = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).resolve()), *rest])
+  finally:
+    os.sched_setaffinity(0, previous)
+  return child.wait()
 
 
 def setting(machine: str | None):
@@ -674,7 +680,8 @@ def main(argv=None) -> int:
                            "may use (PyTorch with N threads): to compare them per core, "
                            "and what each gains from more (benchmarks/NOTES.md, session 57)")
   args = parser.parse_args(argv)
-  cores = pin_cores(args.cores) if args.cores is not None else usable_cores()
+  if args.cores is not None:
+    return run_on_cores(args.cores, sys.argv[1:] if argv is None else list(argv))
   repeats = args.repeats or (12 if args.quick else 21)
   # One timing per contender per round by default: on a noisy machine (this
   # 2-core VM drifts by 20-30%), coarser rounds put a slow stretch on one
@@ -692,7 +699,7 @@ def main(argv=None) -> int:
   # Names built whole, not with `with_suffix`: a machine name may hold a dot ("jax0.12").
   stem = f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
-            "cores": cores,
+            "cores": usable_cores(),
             "cpu": cpu, "versions": versions(), "quick": args.quick, "repeats": repeats,
             "warmup": args.warmup, "rounds": rounds, "lead_in": args.lead_in,
             "lead_in_s": lead_in_s,
