@@ -3,6 +3,7 @@
     python benchmarks/run.py --quick          # a few minutes on a 2-core CPU
     python benchmarks/run.py                  # the full grid
     python benchmarks/run.py --out-dir benchmarks/results
+    python benchmarks/run.py --quick --cores 1  # every contender on one core
 
 Peers, each run on the same inputs and shapes:
 - `flax`: `flax.linen.RNN` over `OptimizedLSTMCell` / `GRUCell`, layers stacked,
@@ -576,10 +577,15 @@ def plot(results: list[dict], path: pathlib.Path, device: str) -> bool:
 
 def cpu_heading(device_name: str, cpu: dict) -> str:
   """How a CPU run's table names its machine: the device, the CPU's model, vector
-  extensions and (where known) family, model number and a core's L2 cache."""
+  extensions and (where known) family, model number and a core's L2 cache; and, for a
+  run on fewer cores than the machine has (`--cores`, or an affinity set from outside),
+  how many."""
   known = [f"{label} {cpu[key]}" for key, label in
            (("family", "family"), ("model_number", "model"), ("l2_per_core", "L2"))
            if cpu.get(key)]
+  cores, every = len(usable_cores()), os.cpu_count() or 1
+  if cores < every:
+    known.append(f"on {cores} of its {every} cores")
   return f"{device_name} ({'; '.join([cpu['model'], ', '.join(cpu['isa']) or 'no AVX2'] + known)})"
 
 

@@ -403,6 +403,9 @@ def test_a_run_on_fewer_cores_runs_in_a_process_confined_to_them(tmp_path):
   assert record["cores"] == [first], record["cores"]
   assert record["machine"].startswith("cpu-1core"), record["machine"]
   assert record["results"] == [] and "cut_short" in record, record
+  (table,) = tmp_path.glob("*.md")  # its heading says on how many cores it ran
+  heading = table.read_text().splitlines()[0]
+  assert (f"; on 1 of its {os.cpu_count()} cores)" in heading) == (os.cpu_count() > 1), heading
 
 
 def test_cores_out_of_range_is_refused():
