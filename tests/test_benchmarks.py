@@ -10,6 +10,7 @@ fatal), and the markdown table's ratios are the JSON's medians divided.
 
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import time
@@ -384,14 +385,13 @@ def test_profile_script_reports_every_contender(as_gpu, mode, tmp_path, monkeypa
       capsys.readouterr().err)
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="Linux only")
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 def test_a_run_on_fewer_cores_runs_in_a_process_confined_to_them(tmp_path):
   """`--cores 1`: the run goes on in a process of its own, confined to the first core
   this one may use from its start (so JAX's thread pools are sized for one core), whose
   record and default machine name say so; `--cores` is not passed on. The budget stops
   it before its first shape: its start-up (JAX's backend, a first compilation) is what
   is checked here, the timings elsewhere."""
-  import os
   run = load_benchmark("run")
   first = sorted(os.sched_getaffinity(0))[0]
   before = sorted(os.sched_getaffinity(0))
