@@ -42,7 +42,8 @@ than `MIN_CHUNKED_STEPS` (32), and numbers of steps with no divisor in [4, 16],
 run step by step, as the reference does. The chunks are near 8 steps for the
 forward alone (`INFERENCE_CHUNK`; near 16 for a GRU's from 64 steps on, and for
 the other cells' in lanes, `inference_chunk`) and near 4 for the forward of the
-derivative (`DERIVATIVE_CHUNK`, training): there the forward is a smaller part
+derivative (`DERIVATIVE_CHUNK`, training; step by step for a small matrix over
+many sequences, `derivative_chunk`): there the forward is a smaller part
 of the work, and chunks of 4 measured as fast as chunks of 8-10 in
 forward+backward (ms: LSTM B32 T100 I256 H256 2 bidirectional layers 307 vs
 305, step by step 327; GRU, same shape, 378 vs 378; LSTM B16 T256 I128 H256 106
@@ -290,6 +291,54 @@ def chunk_steps(steps: int, target: int = INFERENCE_CHUNK) -> int:
   return min(divisors, key=lambda k: (abs(k - target), k))
 
 
+# The forward that the derivative runs goes step by step where an LSTM's or a
+# GRU's recurrent matrix is small and each step's cells (batch x hidden units)
+# many. In chunks, each step's cell fusion reads its slice of the chunk's
+# projection, and XLA:CPU splits those fusions over its two threads
+# (`outer_dimension_partitions: 2`; a hand-off and a wait each); step by step
+# it does not (benchmarks/NOTES.md, session 53). Forward+backward, float32, T32
+# I64 unless said, ms, chunks of 4 -> step by step, interleaved in one process:
+#   2-core Xeon with AMX (session 58): LSTM H128 B32 6.89 -> 6.66 and 6.88 ->
+#   6.84, B64 16.58 -> 14.94 and 16.98 -> 15.38, B128 28.89 -> 28.49, B32 T64
+#   13.47 -> 12.90, B32 T100 21.59 -> 20.89, B64 T50 27.64 -> 25.41, B64 T100
+#   I128 73.85 -> 69.04, 3 layers B32 23.76 -> 22.89; H96 B48 6.84 -> 6.87;
+#   H64 B64 5.63 -> 5.52, B128 11.44 -> 10.06, B256 23.66 -> 23.12; H32 B128
+#   5.54 -> 5.48; GRU H128 B48 7.99 -> 7.62, B64 12.20 -> 10.69 and 11.74 ->
+#   10.59, B128 23.65 -> 22.89, B64 T50 19.51 -> 16.52; GRU H96 B64 7.47 ->
+#   7.31; bfloat16 LSTM H128 B64 9.56 -> 8.16 and 9.87 -> 8.87, GRU 7.38 ->
+#   6.13;
+#   2-core Zen 5 (session 53): LSTM H128 B64 11.3 / 11.7 -> 10.1 / 10.2, B32
+#   T100 11.6 / 11.7 -> 11.4 / 11.5, B64 T100 I128 40.5 / 39.6 -> 40.2 / 39.8;
+#   H64 B128 6.1 / 6.2 -> 5.4 / 5.5; GRU H128 B64 6.3 / 6.0 -> 6.1 / 5.8, B128
+#   12.1 / 12.0 -> 12.0 / 12.0.
+# Outside the rule they went both ways, so keep chunks: fewer cells (LSTM H128
+# B24 5.19 -> 5.41, B16 T50 5.32 -> 5.46; GRU H128 B8 1.74 -> 1.81), a larger
+# matrix (GRU H160 B64 15.10 -> 15.61, but LSTM H144 B64 18.35 -> 17.10; on the
+# Zen 5, LSTM B16 T256 I128 H256 53.4 -> 58.1), two bidirectional layers (LSTM
+# B64 T32 I128 H128 90.2 -> 94.7; GRU 73.7 -> 72.9), and RNN-tanh and RNN-relu,
+# whose steps have one small fusion (tanh H128 B64 3.27 -> 3.33, relu B128 6.43
+# -> 6.34). Nor on a device other than a CPU, where it was not measured.
+DERIVATIVE_STEP_MIN_CELLS = 4096  # batch x hidden units of the one direction
+DERIVATIVE_STEP_MAX_WEIGHTS = 64 * 1024  # elements of R: LSTM up to H128, GRU up to H147
+DERIVATIVE_STEP_MODES = frozenset({"lstm", "gru"})
+
+
+def derivative_chunk(mode: str, xs, h0, R) -> int:
+  """The steps per chunk of the forward that the derivative of a `mode` layer
+  runs, over `xs` (its inputs, a tuple over directions) from states `h0` with
+  recurrent weights `R`: 1 (step by step) where the comment above says, else
+  `chunk_steps` near `DERIVATIVE_CHUNK`."""
+  steps = xs[0].shape[0]
+  cells = h0[0].shape
+  concrete = all(isinstance(n, (int, np.integer)) for n in (steps, *cells))
+  if (concrete and len(xs) == 1 and mode in DERIVATIVE_STEP_MODES
+      and R[0].size <= DERIVATIVE_STEP_MAX_WEIGHTS
+      and cells[0] * cells[1] >= DERIVATIVE_STEP_MIN_CELLS
+      and jax.default_backend() == "cpu"):
+    return 1
+  return chunk_steps(steps, DERIVATIVE_CHUNK)
+
+
 def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk, joined=False):
   """`_reference.forward_scan`, with the input projection made for `chunk`
   steps at once: a scan over chunks, each projecting its `[chunk, B, in]`
@@ -385,8 +434,10 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   # (and transposes) out of a loop around this call (the module docstring).
   W, R, bW, bR = jax.lax.optimization_barrier((W, R, bW, bR))
   steps = xs[0].shape[0]
-  target = DERIVATIVE_CHUNK if coefficients else inference_chunk(mode, steps, lanes)
-  chunk = chunk_steps(steps, target)
+  if coefficients:
+    chunk = derivative_chunk(mode, xs, h0, R)
+  else:
+    chunk = chunk_steps(steps, inference_chunk(mode, steps, lanes))
   if chunk == 1:
     return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, joined)
   return _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk, joined)

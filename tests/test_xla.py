@@ -168,6 +168,53 @@ def test_forward_and_derivative_chunk_lengths():
   assert sorted(_scan_lengths(grad)) == [8, 32], _scan_lengths(grad)
 
 
+def _derivative_chunk(mode, B, T, H, *, directions=1):
+  """`_xla.derivative_chunk` for a layer of `mode` with these sizes, as `_xla._forward` sees it."""
+  g = _xla._spec.NUM_GATES[mode]
+  S = jax.ShapeDtypeStruct
+  xs = (S((T, B, 16), jnp.float32),) * directions
+  h0 = (S((B, H), jnp.float32),) * directions
+  R = (S((H, g * H), jnp.float32),) * directions
+  return _xla.derivative_chunk(mode, xs, h0, R)
+
+
+def test_derivative_chunk_rule(monkeypatch):
+  """On a CPU, the forward that the derivative runs goes step by step for a
+  unidirectional LSTM or GRU whose recurrent matrix has at most 64 Ki elements
+  (LSTM H128, GRU H147) where batch x units reach 4096; else in chunks near 4
+  steps (and step by step below 32 steps, as any forward)."""
+  steps = [("lstm", 32, 32, 128), ("lstm", 64, 32, 128), ("lstm", 512, 32, 8),
+           ("lstm", 64, 64, 64), ("gru", 28, 32, 147), ("gru", 64, 50, 128),
+           ("lstm", 256, 100, 16)]
+  chunked = [("lstm", 31, 32, 128), ("lstm", 64, 32, 129), ("gru", 27, 32, 147),
+             ("gru", 64, 32, 148), ("rnn_tanh", 64, 32, 128), ("rnn_relu", 128, 32, 128),
+             ("lstm", 8, 32, 128), ("lstm", 16, 256, 256)]
+  assert [_derivative_chunk(*case) for case in steps] == [1] * len(steps)
+  assert [_derivative_chunk(*case) for case in chunked] == [4] * len(chunked)
+  assert _derivative_chunk("gru", 64, 50, 148) == 5  # chunked: the divisor of 50 nearest 4
+  assert _derivative_chunk("lstm", 64, 32, 128, directions=2) == 4
+  assert _derivative_chunk("lstm", 64, 31, 128) == 1  # below 32 steps, step by step anyway
+  symbolic_batch, = jax.export.symbolic_shape("b")
+  assert _derivative_chunk("lstm", symbolic_batch, 32, 128) == 4
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert _derivative_chunk("lstm", 64, 32, 128) == 4
+
+
+@pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
+def test_derivative_of_a_small_matrix_over_many_sequences_runs_step_by_step(cls):
+  """An LSTM and a GRU with H64 over 64 sequences (batch x units 4096): the
+  derivative's forward is a scan of 32 steps, not 8 chunks of 4, and the
+  values, gradients and JVP (every input) are the reference's. Float64, so
+  that they compare at the suite's tolerance; the rule counts elements, not
+  bytes."""
+  spec = cls(1, 64, 8, dtype=jnp.float64)
+  x, h, c = random_inputs(spec, 32, 64)
+  params = spec.init_params(jax.random.key(3))
+  loss = lambda x: jnp.sum(jnp.sin(_xla.rnn(spec, x, h, c, params)[0]))
+  assert sorted(_scan_lengths(jax.make_jaxpr(jax.grad(loss))(x))) == [32, 32]
+  _compare(spec, (x, h, c, params), None, [0, 1, 2, 3] if c is not None else [0, 1, 3])
+
+
 @pytest.mark.parametrize("cls,steps,trips", [
     (jcr.CudnnGRU, 64, 4), (jcr.CudnnGRU, 48, 6), (jcr.CudnnLSTM, 64, 8),
     (jcr.CudnnRNNTanh, 64, 8)])
