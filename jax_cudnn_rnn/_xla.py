@@ -296,7 +296,9 @@ def chunk_steps(steps: int, target: int = INFERENCE_CHUNK) -> int:
 # many. In chunks, each step's cell fusion reads its slice of the chunk's
 # projection, and XLA:CPU splits those fusions over its two threads
 # (`outer_dimension_partitions: 2`; a hand-off and a wait each); step by step
-# it does not (benchmarks/NOTES.md, session 53). Forward+backward, float32, T32
+# it does not (LSTM B64 T32 I64 H128: the loop's four cell fusions split in
+# chunks, none step by step; benchmarks/NOTES.md, sessions 53 and 58; traced on
+# the Xeon, 17.5 us each on one core, 45 on two). Forward+backward, float32, T32
 # I64 unless said, ms, chunks of 4 -> step by step, interleaved in one process:
 #   2-core Xeon with AMX (session 58): LSTM H128 B32 6.89 -> 6.66 and 6.88 ->
 #   6.84, B64 16.58 -> 14.94 and 16.98 -> 15.38, B128 28.89 -> 28.49, B32 T64
