@@ -4,6 +4,7 @@
     python benchmarks/run.py                  # the full grid
     python benchmarks/run.py --out-dir benchmarks/results
     python benchmarks/run.py --quick --cores 1  # every contender on one core
+    python benchmarks/run.py --plot benchmarks/results/NAME.json  # its PNG, running nothing
 
 Peers, each run on the same inputs and shapes:
 - `flax`: `flax.linen.RNN` over `OptimizedLSTMCell` / `GRUCell`, layers stacked,
@@ -29,7 +30,8 @@ unrolls its steps, and a user pays that once per shape.
 
 Writes `<out-dir>/<machine>-<date>.json` (every figure, versions, device),
 `<machine>-<date>.md` (ratios of each peer's time to ours: > 1 means we are
-faster) and `<machine>-<date>.png` (when matplotlib is installed).
+faster) and `<machine>-<date>.png` (when matplotlib is installed: it is in the
+`test` extra; `--plot` draws the PNG of a run recorded without it).
 """
 
 from __future__ import annotations
@@ -575,6 +577,50 @@ def plot(results: list[dict], path: pathlib.Path, device: str) -> bool:
   return True
 
 
+def plot_label(record: dict) -> str:
+  """What a plot's titles call the machine of the run `record`: its device, and on a
+  CPU (whose device JAX names "cpu" alone) the CPU's model and, for a run on fewer
+  cores than the machine has (`--cores`), how many, from the record."""
+  device = record.get("device", record.get("machine", "?"))
+  model = (record.get("cpu") or {}).get("model")
+  if not (device.startswith("cpu") and model):
+    return device
+  cores, every = len(record.get("cores") or []), record.get("cpu_count")
+  return f"{device} ({model}" + (f", {cores} of {every} cores)" if 0 < cores < (every or 0)
+                                 else ")")
+
+
+def plot_records(paths: list[str]) -> int:
+  """`--plot`: draws the PNG of each run recorded at `paths` (its JSON) beside it,
+  as the run itself would have; returns the exit status (1 where a file was not
+  drawn, with the reason)."""
+  failed = 0
+  for name in paths:
+    path = pathlib.Path(name)
+    try:
+      if path.suffix != ".json":
+        raise ValueError(f"expected a run's .json record, got {name!r}")
+      record = json.loads(path.read_text())
+      if not isinstance(record, dict) or not isinstance(record.get("results"), list):
+        raise ValueError(f"{name} is not a run's record (no \"results\" list)")
+      if not record["results"]:
+        raise ValueError(f"{name} holds no results to plot")
+      keys = {"shape", "impl", "phase", "median_s"}
+      if not all(isinstance(r, dict) and keys <= set(r) for r in record["results"]):
+        raise ValueError(f"{name} is not a record of this script's (each result needs "
+                         f"{sorted(keys)}; decode.py's records have no phase)")
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+      print(f"--plot: {e}", file=sys.stderr)
+      failed = 1
+      continue
+    png = path.with_name(path.name[:-len(".json")] + ".png")
+    if plot(record["results"], png, plot_label(record)):
+      print(f"wrote {png}")
+    else:  # no matplotlib: `plot` said so
+      failed = 1
+  return failed
+
+
 def cpu_heading(device_name: str, cpu: dict) -> str:
   """How a CPU run's table names its machine: the device, the CPU's model, vector
   extensions and (where known) family, model number and a core's L2 cache; and, for a
@@ -685,7 +731,12 @@ def main(argv=None) -> int:
                       help="run every contender on the first N of the cores this process "
                            "may use (PyTorch with N threads): to compare them per core, "
                            "and what each gains from more (benchmarks/NOTES.md, session 57)")
+  parser.add_argument("--plot", nargs="+", metavar="JSON", default=None,
+                      help="time nothing: draw the PNG of each run recorded in these JSON "
+                           "files, beside each (for a run made without matplotlib)")
   args = parser.parse_args(argv)
+  if args.plot:
+    return plot_records(args.plot)
   if args.cores is not None:
     return run_on_cores(args.cores, sys.argv[1:] if argv is None else list(argv))
   repeats = args.repeats or (12 if args.quick else 21)
@@ -746,7 +797,7 @@ def main(argv=None) -> int:
     # After every shape, so that a run stopped from outside keeps what it measured.
     _write(out_dir, stem, record, table_device)
   table = _write(out_dir, stem, record, table_device)
-  plotted = plot(results, out_dir / f"{stem}.png", device_name)
+  plotted = plot(results, out_dir / f"{stem}.png", plot_label(record))
   print("\n" + table)
   print(f"wrote {out_dir / stem}.json/.md{'/.png' if plotted else ''}")
   return 0

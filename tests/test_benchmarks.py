@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import re
+import sys
 import time
 
 import jax
@@ -306,6 +307,55 @@ def test_each_shape_is_written_as_it_finishes_and_a_budget_stops_new_shapes(tmp_
   # Nothing to plot: no figure (with matplotlib installed, this divided by zero).
   assert run.plot([], tmp_path / "empty.png", "cpu") is False
   assert not (tmp_path / "empty.png").exists()
+
+
+def test_plot_draws_a_recorded_run_beside_its_record(tmp_path, monkeypatch, capsys):
+  # Runs made without matplotlib (sessions 58-59's) wrote no PNG; `--plot` draws one
+  # from the JSON alone, timing nothing.
+  run = load_benchmark("run")
+  monkeypatch.setattr(run, "_time_interleaved", lambda *a, **k: pytest.fail("timed"))
+  results = [{"shape": s, "impl": i, "phase": p, "median_s": ms / 1e3}
+             for s, ms0 in (("lstm B8", 1.0), ("gru B8", 2.0))
+             for i, ms in (("ours-xla", ms0), ("flax-scan", 1.5 * ms0))
+             for p in ("fwd", "fwd+bwd")]
+  record = {"device": "cpu:cpu", "machine": "m", "cpu_count": 2, "cores": [0],
+            "cpu": {"model": "Some CPU"}, "results": results}
+  (tmp_path / "m-2026-11-29.json").write_text(json.dumps(record))
+  assert run.main(["--plot", str(tmp_path / "m-2026-11-29.json")]) == 0
+  assert (tmp_path / "m-2026-11-29.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert f"wrote {tmp_path / 'm-2026-11-29.png'}" in capsys.readouterr().out
+  # The titles name the CPU, and the cores of a run on fewer than the machine has.
+  assert run.plot_label(record) == "cpu:cpu (Some CPU, 1 of 2 cores)"
+  assert run.plot_label(dict(record, cores=[0, 1])) == "cpu:cpu (Some CPU)"
+  assert run.plot_label(dict(record, device="cuda:NVIDIA H200")) == "cuda:NVIDIA H200"
+
+  # What is not a run's record is refused, by name, and nothing is drawn for it.
+  decode_record = dict(record, results=[{"shape": "lstm B1", "impl": "ours-xla",
+                                         "pattern": "step", "median_s": 1e-4}])
+  (tmp_path / "decode.json").write_text(json.dumps(decode_record))
+  (tmp_path / "empty.json").write_text(json.dumps(dict(record, results=[])))
+  (tmp_path / "broken.json").write_text("{")
+  (tmp_path / "table.md").write_text("|")
+  for name, reason in (("decode.json", "decode.py's records have no phase"),
+                       ("empty.json", "holds no results to plot"),
+                       ("broken.json", "Expecting property name"),
+                       ("table.md", "expected a run's .json record, got"),
+                       ("absent.json", "No such file or directory")):
+    assert run.main(["--plot", str(tmp_path / name)]) == 1, name
+    assert reason in capsys.readouterr().err, name
+    assert not (tmp_path / name).with_suffix(".png").exists(), name
+  # One bad file among good ones: the good are drawn, the status says one failed.
+  (tmp_path / "m-2026-11-29.png").unlink()
+  assert run.main(["--plot", str(tmp_path / "decode.json"),
+                   str(tmp_path / "m-2026-11-29.json")]) == 1
+  assert (tmp_path / "m-2026-11-29.png").exists()
+
+  # Without matplotlib: said, no file, a failing status.
+  (tmp_path / "m-2026-11-29.png").unlink()
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+  assert run.main(["--plot", str(tmp_path / "m-2026-11-29.json")]) == 1
+  assert "matplotlib is not installed" in capsys.readouterr().err
+  assert not (tmp_path / "m-2026-11-29.png").exists()
 
 
 def test_a_shape_names_a_cell_the_benchmarks_time():
