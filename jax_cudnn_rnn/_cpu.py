@@ -2,12 +2,13 @@
 
 XLA:CPU multiplies bfloat16 operands with whatever the CPU has: AMX tiles on
 recent Xeons, AVX512-BF16 dot products on recent AMD EPYCs (Zen 4, Zen 5).
-How fast those products run, against the memory they read, decides whether
-a bfloat16 model's forward gains from lanes (`_xla.forward_lanes`), and the
-two kinds of machine measured answered differently (benchmarks/NOTES.md,
-sessions 41 and 50). This module reads the CPU's feature flags once; on a
-system without /proc/cpuinfo they are unknown, and the rules that need them
-keep the choice made before them.
+Whether a bfloat16 model's forward gains from lanes (`_xla.forward_lanes`)
+was measured on one CPU of each kind (benchmarks/NOTES.md, sessions 50, 55
+and 60): lanes by unit gained on both at the same recurrent-matrix sizes,
+and, for the smallest of those matrices, from fewer sequences on the Zen 5
+than on the AMX Xeon. This module reads
+the CPU's feature flags once; on a system without /proc/cpuinfo they are
+unknown, and the rules that need them keep the choice made before them.
 
 DESIGN §4 has no module for this: it is here, rather than in `_xla.py`, so
 that tests can stand in a CPU of either kind (`flags`).
@@ -36,10 +37,14 @@ def flags() -> frozenset[str] | None:
   return None
 
 
-def bfloat16_dot_products() -> bool:
-  """Whether bfloat16 products run as AVX512-BF16 dot products, without AMX:
-  the kind of CPU on which a bfloat16 forward's lanes by unit were measured
-  faster (a 2-core AMD EPYC, Zen 5; benchmarks/NOTES.md, session 50). False
-  where the flags are unknown."""
+def bfloat16_products() -> str | None:
+  """How this CPU multiplies bfloat16 operands: "amx" (AMX tiles, as on the
+  2-core Xeon measured), "avx512_bf16" (AVX512-BF16 dot products without AMX,
+  as on the 2-core AMD EPYC, Zen 5), or None: neither (not measured), or the
+  flags are unknown."""
   f = flags()
-  return f is not None and "avx512_bf16" in f and "amx_bf16" not in f
+  if f is None:
+    return None
+  if "amx_bf16" in f:
+    return "amx"
+  return "avx512_bf16" if "avx512_bf16" in f else None

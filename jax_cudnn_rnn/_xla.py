@@ -88,8 +88,9 @@ H320 4.4 -> 2.7 ms, GRU H384 B2 4.1 -> 2.4; session 48), and so does an
 LSTM's up to 16 sequences (B16 T256 I128 H256 12.7-14.1 -> 10.6-11.1 ms in five
 runs; session 49). A bfloat16 LSTM's or GRU's forward alone runs in lanes by
 unit at any batch from 2, on a CPU whose bfloat16 products are AVX512-BF16
-dot products rather than AMX (`_cpu`; LSTM B16 T256 I128 H256 10.5-11.4 ->
-7.8-8.2 ms, GRU B64 T32 3.7 -> 2.6; session 50).
+dot products or AMX tiles (`_cpu`; on the Zen 5, LSTM B16 T256 I128 H256
+10.5-11.4 -> 7.8-8.2 ms, GRU B64 T32 3.7 -> 2.6; session 50; on the AMX Xeon,
+20.0 -> 14.7 and 5.5 -> 4.2; session 60).
 
 How the forward reads the weights. `_reference._layer_params` takes them from
 the opaque buffer's blocks (`_reference.param_blocks`) and transposes them
@@ -587,7 +588,25 @@ LANE_DTYPES = frozenset({np.dtype(np.float32)})  # of the products (float16 mode
 # 32.73; GRU H640 7.13 -> 7.21, H1024 19.32 -> 22.79); one sequence tied (LSTM
 # H256 B1 1.73 -> 1.73). RNN-tanh and RNN-relu went both ways (tanh B4 T128
 # H512 2.38 -> 1.70, relu B64 T32 H512 2.69 -> 3.05) and keep one lane; so
-# does a CPU of another kind (`_cpu.bfloat16_dot_products`).
+# does a CPU that multiplies bfloat16 with neither AMX nor AVX512-BF16 (not
+# measured), or whose flags are unknown (`_cpu.bfloat16_products`).
+# On the 2-core Xeon with AMX (session 60), lanes by unit gained in that
+# window at every shape measured, under jax 0.10.2 and 0.12.0.1 alike (one
+# lane / by unit, ms, 0.10.2, then 0.12.0.1 where given; 15 interleaved
+# rounds): LSTM H256 B16 T256 20.03 / 14.72, 22.07 / 16.18; B64 T32 5.61 /
+# 4.88, 6.83 / 5.13; 3 layers B32 T100 I256 35.60 / 35.22, 44.79 / 38.18; B8
+# T256 14.03 / 9.34, 17.70 / 10.20; B4 T128 5.94 / 3.92; B2 T128 5.55 / 3.50,
+# 6.31 / 3.80; B8 T32 2.20 / 1.76, 2.42 / 1.72; B128 T32 10.50 / 9.05, 12.75 /
+# 9.81; H224 B16 T128 8.20 / 6.38, B8 6.26 / 4.47; H512 B16 T128 26.83 /
+# 20.21, 25.16 / 19.19, B64 T32 13.91 / 12.73, 13.73 / 12.32; GRU H256 B16
+# T256 14.44 / 13.58, 15.02 / 14.47; B64 T32 5.51 / 4.21, 5.59 / 4.29; 3
+# layers 35.54 / 28.45, 36.80 / 29.54; B8 T256 9.49 / 8.06; H384 B4 T128 6.85
+# / 5.95, 8.88 / 7.06; H512 B16 T128 15.36 / 13.96, 17.60 / 14.97. Outside it
+# as on the Zen 5: LSTM H256 B1 T128 2.79 / 2.73; above 2 MiB LSTM H576 B16
+# T64 13.17 / 12.37, H768 22.67 / 22.08, H1024 40.92 / 44.84, GRU H592 10.87 /
+# 10.52, H640 11.13 / 11.07, H1024 29.49 / 29.33; below 256 KiB LSTM H128 B8
+# T32 I64 0.54 / 0.77, B64 3.37 / 3.05, H160 B64 T100 12.59 / 11.27, GRU
+# H192 B16 T128 5.55 / 4.99.
 BFLOAT16_UNIT_LANE_BYTES = (384 * 1024, 2 * 1024 * 1024)  # of R in bfloat16, both included
 BFLOAT16_UNIT_LANE_MODES = frozenset({"lstm", "gru"})
 # Below that window, from 256 KiB (LSTM H182-H221, GRU H210-H255), lanes by
@@ -612,8 +631,19 @@ BFLOAT16_UNIT_LANE_MODES = frozenset({"lstm", "gru"})
 # H160 B64 5.46 / 7.65, H176 B32 3.82 / 4.54; T32 I64 H128 B128 2.46 / 3.37),
 # gaining at a few batches only (T32 I64 H176 B64 2.04 / 1.85, H128 B32 1.16 /
 # 1.03).
+# On the AMX Xeon (session 60) that narrower window gained from 48 sequences
+# under both jax versions, and from 24 under jax 0.10.2 alone (one lane / by
+# unit, ms, 0.10.2 / 0.12.0.1): LSTM T32 I64 H192 B64 5.84 / 4.01, 5.87 /
+# 4.25; T100 I64 H200 B48 14.56 / 9.94, 14.59 / 10.83; T64 I64 H220 B112 16.70
+# / 15.75, 17.94 / 15.35; GRU T32 I64 H232 B48 4.60 / 3.46, 4.20 / 3.44; T64
+# I128 H240 B64 11.78 / 8.19, 11.22 / 7.95; T32 I64 H248 B96 7.36 / 6.90,
+# 6.71 / 6.30; T100 I64 H224 B112 22.53 / 18.59, 22.59 / 17.45; but below 48
+# under 0.12.0.1: LSTM T32 I64 H184 B24 3.81 / 2.41, 2.07 / 3.05; GRU T64 I128
+# H224 B32 7.08 / 4.32, 5.00 / 6.27 (and 4.58 / 6.57); T32 I64 H216 B24 3.76
+# / 3.24, 2.07 / 2.27. At B16 it lost there too (LSTM H192 B16 T128 6.52 /
+# 7.40, GRU H240 B8 T256 8.70 / 10.49).
 BFLOAT16_NARROW_UNIT_LANE_BYTES = 256 * 1024  # of R in bfloat16, included
-BFLOAT16_NARROW_UNIT_LANE_BATCH = (24, 112)  # both included
+BFLOAT16_NARROW_UNIT_LANE_BATCH = {"avx512_bf16": (24, 112), "amx": (48, 112)}  # both included
 
 
 def forward_lanes(mode, operands, xs, R) -> str | None:
@@ -635,13 +665,14 @@ def forward_lanes(mode, operands, xs, R) -> str | None:
     return None
   nbytes = R[0].size * products.itemsize
   if bfloat16:
+    kind = _cpu.bfloat16_products()
+    if mode not in BFLOAT16_UNIT_LANE_MODES or kind not in BFLOAT16_NARROW_UNIT_LANE_BATCH:
+      return None
     low, high = BFLOAT16_UNIT_LANE_BYTES
-    fewest, most = BFLOAT16_NARROW_UNIT_LANE_BATCH
+    fewest, most = BFLOAT16_NARROW_UNIT_LANE_BATCH[kind]
     window = (low <= nbytes <= high and batch >= LANES) or (
         BFLOAT16_NARROW_UNIT_LANE_BYTES <= nbytes < low and fewest <= batch <= most)
-    if mode in BFLOAT16_UNIT_LANE_MODES and window and _cpu.bfloat16_dot_products():
-      return "units"
-    return None
+    return "units" if window else None
   units = nbytes >= UNIT_LANE_MIN_BYTES.get(mode, np.inf)
   if batch >= LANE_MIN_BATCH:
     low, high = LANE_WEIGHT_BYTES

@@ -295,8 +295,8 @@ def test_forward_lanes_rule(monkeypatch):
   assert _lanes("lstm", 4, 256, 256, dtype=jnp.float16) == "units"
   assert _lanes("lstm", 16, 256, 256, dtype=jnp.float16) == "units"
   assert _lanes("lstm", 32, 256, 256, dtype=jnp.float16) == "batch"
-  monkeypatch.setattr(_cpu, "flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
-  assert _lanes("lstm", 16, 256, 256, dtype=jnp.bfloat16) is None  # bfloat16 products on AMX
+  monkeypatch.setattr(_cpu, "flags", lambda: frozenset({"avx2", "fma"}))
+  assert _lanes("lstm", 16, 256, 256, dtype=jnp.bfloat16) is None  # no bfloat16 products
   assert _lanes("lstm", 4, 256, 256, dtype=jnp.bfloat16) is None
   assert _lanes("rnn_tanh", 16, 256, 256, dtype=jnp.float64) is None  # 512 KiB, float64
   assert _lanes("lstm", 16, 256, 256, directions=2) is None
@@ -379,16 +379,19 @@ def lanes_everywhere(monkeypatch):
 
 
 AVX512_BF16 = frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})  # no AMX: a Zen 5's
+AMX = AVX512_BF16 | {"amx_tile", "amx_bf16"}  # a recent Xeon's
 
 
-def test_bfloat16_forward_lanes_rule(monkeypatch):
-  """bfloat16 products on a CPU with AVX512-BF16 and without AMX: lanes by
-  unit for an LSTM's or GRU's forward alone whose recurrent matrix has 384 KiB
-  to 2 MiB in bfloat16 (LSTM H222-H512, GRU H256-H591), over 2 sequences or
-  more, and from 256 KiB (LSTM H182, GRU H210) over 24 to 112 sequences; over
-  32 steps or more, on a single CPU device; else one lane, as on a CPU with
-  AMX or whose flags are unknown."""
-  monkeypatch.setattr(_cpu, "flags", lambda: AVX512_BF16)
+@pytest.mark.parametrize("flags", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx"])
+def test_bfloat16_forward_lanes_rule(flags, monkeypatch):
+  """bfloat16 products on a CPU with AVX512-BF16 (a Zen 5) or AMX (a Xeon):
+  lanes by unit for an LSTM's or GRU's forward alone whose recurrent matrix
+  has 384 KiB to 2 MiB in bfloat16 (LSTM H222-H512, GRU H256-H591), over 2
+  sequences or more, and from 256 KiB (LSTM H182, GRU H210) over 24 (the Zen
+  5) or 48 (AMX) to 112 sequences; over 32 steps or more, on a single CPU
+  device; else one lane, as on a CPU with neither or whose flags are
+  unknown."""
+  monkeypatch.setattr(_cpu, "flags", lambda: flags)
   lanes = lambda *case, directions=1: _lanes(*case, dtype=jnp.bfloat16, directions=directions)
   units = [("lstm", 16, 256, 256), ("lstm", 2, 32, 256), ("lstm", 256, 32, 256),
            ("lstm", 8, 128, 222), ("lstm", 16, 64, 512), ("gru", 16, 256, 256),
@@ -398,14 +401,18 @@ def test_bfloat16_forward_lanes_rule(monkeypatch):
          ("rnn_tanh", 16, 256, 512), ("rnn_relu", 16, 256, 400), ("lstm", 16, 256, 128)]
   assert [lanes(*case) for case in units] == ["units"] * len(units)
   assert [lanes(*case) for case in one] == [None] * len(one)
-  # Below 384 KiB, from 256 KiB: only over 24 to 112 sequences.
-  narrow = [("lstm", 24, 32, 182), ("lstm", 112, 100, 221), ("lstm", 64, 32, 192),
-            ("gru", 24, 64, 210), ("gru", 112, 32, 255)]
+  # Below 384 KiB, from 256 KiB: only over 24 (AMX: 48) to 112 sequences.
+  narrow = [("lstm", 48, 32, 182), ("lstm", 112, 100, 221), ("lstm", 64, 32, 192),
+            ("gru", 48, 64, 210), ("gru", 112, 32, 255)]
   narrow_one = [("lstm", 23, 32, 192), ("lstm", 113, 32, 192), ("lstm", 64, 32, 181),
                 ("gru", 64, 32, 209), ("gru", 16, 128, 224), ("gru", 128, 100, 224),
                 ("lstm", 64, 31, 192), ("rnn_tanh", 64, 32, 400)]
   assert [lanes(*case) for case in narrow] == ["units"] * len(narrow)
   assert [lanes(*case) for case in narrow_one] == [None] * len(narrow_one)
+  from_24 = [("lstm", 24, 32, 182), ("lstm", 47, 100, 221), ("gru", 24, 64, 210),
+             ("gru", 32, 64, 224)]
+  assert [lanes(*case) for case in from_24] == (
+      [None] * len(from_24) if flags == AMX else ["units"] * len(from_24))
   assert lanes("lstm", 64, 32, 192, directions=2) is None
   assert lanes("lstm", 16, 256, 256, directions=2) is None
   symbolic_batch, = jax.export.symbolic_shape("b")
@@ -417,11 +424,19 @@ def test_bfloat16_forward_lanes_rule(monkeypatch):
       m.setattr(jax, "device_count", lambda: devices)
       m.setattr(jax, "default_backend", lambda: backend)
       assert lanes("lstm", 16, 256, 256) is None
-  for flags in (AVX512_BF16 | {"amx_tile", "amx_bf16"}, frozenset({"avx2", "fma"}), None):
+  for other in (frozenset({"avx2", "fma"}), frozenset({"avx2", "avx512f"}), None):
+    monkeypatch.setattr(_cpu, "flags", lambda: other)
+    assert lanes("lstm", 16, 256, 256) is None, other
+    assert lanes("gru", 4, 128, 384) is None, other
+    assert lanes("lstm", 64, 32, 192) is None, other
+
+
+def test_bfloat16_products_reads_the_cpu_flags(monkeypatch):
+  for flags, kind in ((AMX, "amx"), (AVX512_BF16, "avx512_bf16"),
+                      (frozenset({"avx2", "fma", "avx512f"}), None), (frozenset(), None),
+                      (None, None)):
     monkeypatch.setattr(_cpu, "flags", lambda: flags)
-    assert lanes("lstm", 16, 256, 256) is None, flags
-    assert lanes("gru", 4, 128, 384) is None, flags
-    assert lanes("lstm", 64, 32, 192) is None, flags
+    assert _cpu.bfloat16_products() == kind, flags
 
 
 @pytest.fixture
