@@ -606,7 +606,15 @@ LANE_DTYPES = frozenset({np.dtype(np.float32)})  # of the products (float16 mode
 # T64 13.17 / 12.37, H768 22.67 / 22.08, H1024 40.92 / 44.84, GRU H592 10.87 /
 # 10.52, H640 11.13 / 11.07, H1024 29.49 / 29.33; below 256 KiB LSTM H128 B8
 # T32 I64 0.54 / 0.77, B64 3.37 / 3.05, H160 B64 T100 12.59 / 11.27, GRU
-# H192 B16 T128 5.55 / 4.99.
+# H192 B16 T128 5.55 / 4.99. Inside it, through the library (the rule
+# against one lane, 21 rounds), under jax 0.10.2 an LSTM's lanes tied or lost
+# at 32-48 sequences with a 256-wide input: B32 T100 I256 H256 17.54 /
+# 17.36, 14.00 / 15.03, 3 layers 40.99 / 41.19, 39.49 / 42.78, 40.65 / 47.32,
+# 41.75 / 46.10, 39.04 / 41.57, B48 T100 I256 21.23 / 21.93, B32 T32 I128 5.61
+# / 5.78 (but I128 T100 B24-B64 1.22-1.25x, e.g. B32 12.12 / 9.81); under
+# 0.12.0.1 those 3 layers gained (54.12 / 47.02). The GRU B16 T256 I128 H256
+# went both ways (16.44 / 17.22, 17.05 / 15.81, 17.43 / 18.56). Kept for the
+# window's gains elsewhere, and for jax 0.12, the newest for Python 3.12.
 BFLOAT16_UNIT_LANE_BYTES = (384 * 1024, 2 * 1024 * 1024)  # of R in bfloat16, both included
 BFLOAT16_UNIT_LANE_MODES = frozenset({"lstm", "gru"})
 # Below that window, from 256 KiB (LSTM H182-H221, GRU H210-H255), lanes by
