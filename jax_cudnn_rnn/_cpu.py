@@ -6,9 +6,9 @@ Whether a bfloat16 model's forward gains from lanes (`_xla.forward_lanes`)
 was measured on one CPU of each kind (benchmarks/NOTES.md, sessions 50, 55
 and 60): lanes by unit gained on both at the same recurrent-matrix sizes,
 and, for the smallest of those matrices, from fewer sequences on the Zen 5
-than on the AMX Xeon. This module reads
-the CPU's feature flags once; on a system without /proc/cpuinfo they are
-unknown, and the rules that need them keep the choice made before them.
+than on the AMX Xeon. This module reads the CPU's feature flags once; on a
+system without /proc/cpuinfo they are unknown, and the rules that need them
+keep the choice made before them.
 
 DESIGN §4 has no module for this: it is here, rather than in `_xla.py`, so
 that tests can stand in a CPU of either kind (`flags`).

@@ -591,7 +591,8 @@ LANE_DTYPES = frozenset({np.dtype(np.float32)})  # of the products (float16 mode
 # does a CPU that multiplies bfloat16 with neither AMX nor AVX512-BF16 (not
 # measured), or whose flags are unknown (`_cpu.bfloat16_products`).
 # On the 2-core Xeon with AMX (session 60), lanes by unit gained in that
-# window at every shape measured, under jax 0.10.2 and 0.12.0.1 alike (one
+# window at every shape measured but one, which tied (the 3 layers under
+# 0.10.2), under jax 0.10.2 and 0.12.0.1 alike (one
 # lane / by unit, ms, 0.10.2, then 0.12.0.1 where given; 15 interleaved
 # rounds): LSTM H256 B16 T256 20.03 / 14.72, 22.07 / 16.18; B64 T32 5.61 /
 # 4.88, 6.83 / 5.13; 3 layers B32 T100 I256 35.60 / 35.22, 44.79 / 38.18; B8
