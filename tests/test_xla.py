@@ -233,12 +233,20 @@ def test_long_gru_forward_runs_longer_chunks(cls, steps, trips):
 
 
 def _scan_carry_shapes(jaxpr) -> list[list[tuple]]:
-  """The shapes of the carried values of every `scan` in a jaxpr."""
+  """The shapes of the carried values of every `scan` in a jaxpr. A scan's
+  parameters count its constants and carried values (`num_consts`,
+  `num_carry`) up to jax 0.11; from jax 0.12 a tree of its inputs holds them
+  (`ft_in`, whose `unpack()` gives constants, carried values and scanned
+  values, as jax's own Pallas lowerings read it)."""
   out = []
   for eqn in jaxpr_equations(jaxpr):
     if eqn.primitive.name == "scan":
-      start = eqn.params["num_consts"]
-      out.append([v.aval.shape for v in eqn.invars[start:start + eqn.params["num_carry"]]])
+      if "num_consts" in eqn.params:
+        start, carried = eqn.params["num_consts"], eqn.params["num_carry"]
+      else:
+        start, carried, scanned = (len(group) for group in eqn.params["ft_in"].unpack())
+        assert start + carried + scanned == len(eqn.invars), eqn.params["ft_in"]
+      out.append([v.aval.shape for v in eqn.invars[start:start + carried]])
   return out
 
 
