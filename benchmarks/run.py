@@ -449,7 +449,7 @@ def cpu_description() -> dict:
   oneDNN's matmul speed (the lent machines differ between sessions: AVX2 on
   one, AVX-512 and AMX on another), its family and model numbers (a virtual
   machine may name only the vendor, "AMD EPYC", for several generations) and
-  a core's L2 cache (which bounds the forward's lanes, `_xla.LANE_WEIGHT_BYTES`),
+  a core's L2 cache (which bounds the forward's lanes, `_lanes.LANE_WEIGHT_BYTES`),
   from /proc/cpuinfo and sysfs where there are."""
   model, family, number = platform.processor() or platform.machine(), None, None
   flags = _cpu.flags() or frozenset()  # the library's own reading, which its lane rule uses

@@ -2,7 +2,7 @@
 
 XLA:CPU multiplies bfloat16 operands with whatever the CPU has: AMX tiles on
 recent Xeons, AVX512-BF16 dot products on recent AMD EPYCs (Zen 4, Zen 5).
-Whether a bfloat16 model's forward gains from lanes (`_xla.forward_lanes`)
+Whether a bfloat16 model's forward gains from lanes (`_lanes.forward_lanes`)
 was measured on one CPU of each kind (benchmarks/NOTES.md, sessions 50, 55
 and 60): lanes by unit gained on both at the same recurrent-matrix sizes,
 and, for the smallest of those matrices, from fewer sequences on the Zen 5

@@ -84,7 +84,7 @@ CASES = {
                                                  direction="bidirectional", **F64),
                                 dict(lengths=True)),
     "relu-dropout": (jcr.CudnnRNNRelu(3, 4, 2, dropout=0.3, **F64), dict(dropout=True)),
-    # Long enough for the "xla" forward to run in chunks of steps (`_xla.chunk_steps`),
+    # Long enough for the "xla" forward to run in chunks of steps (`_chunks.chunk_steps`),
     # which reshapes the time axis while the batch axis stays split.
     "lstm-bidirectional-36-steps-lengths": (
         jcr.CudnnLSTM(1, 6, 3, direction="bidirectional", **F64), dict(steps=36, lengths=True)),

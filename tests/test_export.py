@@ -15,7 +15,7 @@ import pytest
 from jax import export
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _cudnn, _symbolic, _xla
+from jax_cudnn_rnn import _chunks, _cudnn, _symbolic, _xla
 from jax_cudnn_rnn import linen as jcr_linen
 from handler_model import HandlerModel
 from helpers import CROSS_TOL, SPEC_CLASSES, call, random_inputs, relative_error
@@ -83,7 +83,7 @@ def test_symbolic_batch_and_time_with_lengths_and_dropout():
   artifact = _round_trip(run, jax.ShapeDtypeStruct((b, t, 4), jnp.float32), params,
                          jax.ShapeDtypeStruct((b,), jnp.int32))
   direct = lambda x, params, lengths: run(x, params, lengths, "xla")
-  assert _xla.chunk_steps(40) > 1  # the direct call at T = 40 is chunked, the artifact is not
+  assert _chunks.chunk_steps(40) > 1  # the direct call at T = 40 is chunked, the artifact is not
   for batch, steps, lengths in [(3, 40, [40, 5, 0]), (5, 7, [7, 1, 3, 7, 2])]:
     x = jax.random.normal(jax.random.key(steps), (batch, steps, 4), jnp.float32)
     lengths = jnp.asarray(lengths, jnp.int32)
@@ -100,8 +100,8 @@ def test_symbolic_batch_and_time_with_lengths_and_dropout():
 
 def test_chunk_steps_of_a_symbolic_length_is_one():
   (t,) = export.symbolic_shape("t")
-  assert _xla.chunk_steps(t) == 1
-  assert _xla.chunk_steps(t, _xla.DERIVATIVE_CHUNK) == 1
+  assert _chunks.chunk_steps(t) == 1
+  assert _chunks.chunk_steps(t, _chunks.DERIVATIVE_CHUNK) == 1
 
 
 def test_linen_module_with_symbolic_batch_and_time():

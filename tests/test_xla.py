@@ -24,7 +24,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _cpu, _reference, _rounded_dot, _xla
+from jax_cudnn_rnn import _chunks, _cpu, _lanes, _reference, _rounded_dot, _xla
 from helpers import (SPEC_CLASSES, assert_gradient_is_one_concatenation, jaxpr_equations,
                      random_canonical, random_inputs, relative_error)
 from numpy_rnn import numpy_rnn
@@ -138,19 +138,20 @@ def test_chunk_steps():
   cells' in lanes, 4 for the derivative's forward; the smaller on a tie); else 1."""
   expected = {1: 1, 4: 1, 12: 1, 24: 1, 31: 1, 32: 8, 36: 9, 50: 10, 60: 6, 100: 10,
               101: 1, 256: 8}
-  assert {t: _xla.chunk_steps(t) for t in expected} == expected
-  assert {t: _xla.chunk_steps(t, _xla.INFERENCE_CHUNK) for t in expected} == expected
+  assert {t: _chunks.chunk_steps(t) for t in expected} == expected
+  assert {t: _chunks.chunk_steps(t, _chunks.INFERENCE_CHUNK) for t in expected} == expected
   expected = {1: 1, 31: 1, 32: 4, 36: 4, 50: 5, 60: 4, 77: 7, 100: 4, 101: 1, 256: 4}
-  assert {t: _xla.chunk_steps(t, _xla.DERIVATIVE_CHUNK) for t in expected} == expected
+  assert {t: _chunks.chunk_steps(t, _chunks.DERIVATIVE_CHUNK) for t in expected} == expected
   expected = {32: 8, 63: 7, 64: 16, 100: 10, 128: 16, 150: 15, 256: 16}
-  assert {t: _xla.chunk_steps(t, _xla.inference_chunk("gru", t)) for t in expected} == expected
-  assert {_xla.inference_chunk(m, 256) for m in ("lstm", "rnn_tanh", "rnn_relu")} == {8}
+  gru = {t: _chunks.chunk_steps(t, _chunks.inference_chunk("gru", t)) for t in expected}
+  assert gru == expected
+  assert {_chunks.inference_chunk(m, 256) for m in ("lstm", "rnn_tanh", "rnn_relu")} == {8}
   modes = ("lstm", "gru", "rnn_tanh", "rnn_relu")
-  assert {m: _xla.inference_chunk(m, 256, lanes=2) for m in modes} == dict.fromkeys(modes, 16)
-  in_lanes = {m: _xla.inference_chunk(m, 32, lanes=2) for m in modes}
+  assert {m: _chunks.inference_chunk(m, 256, lanes=2) for m in modes} == dict.fromkeys(modes, 16)
+  in_lanes = {m: _chunks.inference_chunk(m, 32, lanes=2) for m in modes}
   assert in_lanes == {"lstm": 16, "gru": 8, "rnn_tanh": 16, "rnn_relu": 16}
-  assert _xla.chunk_steps(63, _xla.inference_chunk("lstm", 63, lanes=2)) == 9
-  assert _xla.chunk_steps(63, _xla.inference_chunk("gru", 63, lanes=2)) == 7
+  assert _chunks.chunk_steps(63, _chunks.inference_chunk("lstm", 63, lanes=2)) == 9
+  assert _chunks.chunk_steps(63, _chunks.inference_chunk("gru", 63, lanes=2)) == 7
 
 
 def _scan_lengths(jaxpr) -> list[int]:
@@ -169,13 +170,14 @@ def test_forward_and_derivative_chunk_lengths():
 
 
 def _derivative_chunk(mode, B, T, H, *, directions=1):
-  """`_xla.derivative_chunk` for a layer of `mode` with these sizes, as `_xla._forward` sees it."""
+  """`_chunks.derivative_chunk` for a layer of `mode` with these sizes, as
+  `_xla._forward` sees it."""
   g = _xla._spec.NUM_GATES[mode]
   S = jax.ShapeDtypeStruct
   xs = (S((T, B, 16), jnp.float32),) * directions
   h0 = (S((B, H), jnp.float32),) * directions
   R = (S((H, g * H), jnp.float32),) * directions
-  return _xla.derivative_chunk(mode, xs, h0, R)
+  return _chunks.derivative_chunk(mode, xs, h0, R)
 
 
 def test_derivative_chunk_rule(monkeypatch):
@@ -220,7 +222,7 @@ def test_derivative_of_a_small_matrix_over_many_sequences_runs_step_by_step(cls)
     (jcr.CudnnRNNTanh, 64, 8)])
 def test_long_gru_forward_runs_longer_chunks(cls, steps, trips):
   """A GRU's forward alone over 64 steps or more seeks chunks of 16 steps
-  (`_xla.inference_chunk`), the other cells' and shorter ones 8; the derivative's
+  (`_chunks.inference_chunk`), the other cells' and shorter ones 8; the derivative's
   forward keeps chunks of 4 either way. Values as the reference's."""
   spec = cls(1, 3, 2)
   x, h, c = (None if a is None else jnp.asarray(a) for a in random_inputs(spec, steps, 2, seed=5))
@@ -255,15 +257,15 @@ def _scan_carries(jaxpr) -> list[int]:
   return [len(shapes) for shapes in _scan_carry_shapes(jaxpr)]
 
 
-def _lanes(mode, B, T, H, *, dtype=jnp.float32, directions=1):
-  """`_xla.forward_lanes` for a layer of `mode` with these sizes, as `_xla._layer`
+def _lanes_of(mode, B, T, H, *, dtype=jnp.float32, directions=1):
+  """`_lanes.forward_lanes` for a layer of `mode` with these sizes, as `_xla._layer`
   sees it: the weights in the computation dtype (float32 for half-precision models)."""
   g = _xla._spec.NUM_GATES[mode]
   S = jax.ShapeDtypeStruct
   compute = _reference._compute_dtype(np.dtype(dtype))
   xs = (S((T, B, 16), compute),) * directions
   R = (S((H, g * H), compute),) * directions
-  return _xla.forward_lanes(mode, _xla.operand_dtype(dtype), xs, R)
+  return _lanes.forward_lanes(mode, _xla.operand_dtype(dtype), xs, R)
 
 
 def test_forward_lanes_rule(monkeypatch):
@@ -297,26 +299,26 @@ def test_forward_lanes_rule(monkeypatch):
          ("lstm", 31, 32, 128), ("lstm", 32, 32, 96), ("lstm", 256, 32, 63),
          ("gru", 64, 32, 96), ("gru", 128, 32, 64), ("gru", 63, 32, 112),
          ("rnn_tanh", 128, 32, 128), ("rnn_relu", 256, 32, 128), ("lstm", 64, 31, 128)]
-  assert [_lanes(*case) for case in units] == ["units"] * len(units)
-  assert [_lanes(*case) for case in batch] == ["batch"] * len(batch)
-  assert [_lanes(*case) for case in one] == [None] * len(one)
-  assert _lanes("lstm", 4, 256, 256, dtype=jnp.float16) == "units"
-  assert _lanes("lstm", 16, 256, 256, dtype=jnp.float16) == "units"
-  assert _lanes("lstm", 32, 256, 256, dtype=jnp.float16) == "batch"
+  assert [_lanes_of(*case) for case in units] == ["units"] * len(units)
+  assert [_lanes_of(*case) for case in batch] == ["batch"] * len(batch)
+  assert [_lanes_of(*case) for case in one] == [None] * len(one)
+  assert _lanes_of("lstm", 4, 256, 256, dtype=jnp.float16) == "units"
+  assert _lanes_of("lstm", 16, 256, 256, dtype=jnp.float16) == "units"
+  assert _lanes_of("lstm", 32, 256, 256, dtype=jnp.float16) == "batch"
   monkeypatch.setattr(_cpu, "flags", lambda: frozenset({"avx2", "fma"}))
-  assert _lanes("lstm", 16, 256, 256, dtype=jnp.bfloat16) is None  # no bfloat16 products
-  assert _lanes("lstm", 4, 256, 256, dtype=jnp.bfloat16) is None
-  assert _lanes("rnn_tanh", 16, 256, 256, dtype=jnp.float64) is None  # 512 KiB, float64
-  assert _lanes("lstm", 16, 256, 256, directions=2) is None
-  assert _lanes("lstm", 4, 256, 256, directions=2) is None
+  assert _lanes_of("lstm", 16, 256, 256, dtype=jnp.bfloat16) is None  # no bfloat16 products
+  assert _lanes_of("lstm", 4, 256, 256, dtype=jnp.bfloat16) is None
+  assert _lanes_of("rnn_tanh", 16, 256, 256, dtype=jnp.float64) is None  # 512 KiB, float64
+  assert _lanes_of("lstm", 16, 256, 256, directions=2) is None
+  assert _lanes_of("lstm", 4, 256, 256, directions=2) is None
   symbolic_batch, = jax.export.symbolic_shape("b")
-  assert _lanes("lstm", symbolic_batch, 256, 256) is None
+  assert _lanes_of("lstm", symbolic_batch, 256, 256) is None
   for backend, devices in (("cpu", 4), ("gpu", 1)):
     with monkeypatch.context() as m:
       m.setattr(jax, "device_count", lambda: devices)
       m.setattr(jax, "default_backend", lambda: backend)
-      assert _lanes("lstm", 17, 256, 256) is None
-      assert _lanes("lstm", 4, 256, 256) is None
+      assert _lanes_of("lstm", 17, 256, 256) is None
+      assert _lanes_of("lstm", 4, 256, 256) is None
 
 
 def test_forward_lanes_in_the_program():
@@ -347,7 +349,7 @@ def test_forward_lanes_in_the_program():
 
 def test_small_matrix_over_many_sequences_runs_in_lanes():
   """An LSTM with a small recurrent matrix (H64: 64 KiB) over 64 sequences runs
-  its forward in two lanes by batch (`_xla.SMALL_LANE_MIN_CELLS`), each carrying
+  its forward in two lanes by batch (`_lanes.SMALL_LANE_MIN_CELLS`), each carrying
   32 sequences' states; its values, final states and gradient as the
   reference's (float32: the lanes apply to float32 products only)."""
   spec = jcr.CudnnLSTM(1, 64, 8)
@@ -381,9 +383,9 @@ def _assert_lanes_match_reference(run, forward, x):
 def lanes_everywhere(monkeypatch):
   """The forward alone in two lanes by batch at any batch of two or more, any
   weight size, and float64 (for the tests' tolerance)."""
-  monkeypatch.setattr(_xla, "LANE_MIN_BATCH", 2)
-  monkeypatch.setattr(_xla, "LANE_WEIGHT_BYTES", (0, np.inf))
-  monkeypatch.setattr(_xla, "LANE_DTYPES", frozenset({np.dtype(np.float64)}))
+  monkeypatch.setattr(_lanes, "LANE_MIN_BATCH", 2)
+  monkeypatch.setattr(_lanes, "LANE_WEIGHT_BYTES", (0, np.inf))
+  monkeypatch.setattr(_lanes, "LANE_DTYPES", frozenset({np.dtype(np.float64)}))
 
 
 AVX512_BF16 = frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})  # no AMX: a Zen 5's
@@ -400,7 +402,7 @@ def test_bfloat16_forward_lanes_rule(flags, monkeypatch):
   device; else one lane, as on a CPU with neither or whose flags are
   unknown."""
   monkeypatch.setattr(_cpu, "flags", lambda: flags)
-  lanes = lambda *case, directions=1: _lanes(*case, dtype=jnp.bfloat16, directions=directions)
+  lanes = lambda *case, directions=1: _lanes_of(*case, dtype=jnp.bfloat16, directions=directions)
   units = [("lstm", 16, 256, 256), ("lstm", 2, 32, 256), ("lstm", 256, 32, 256),
            ("lstm", 8, 128, 222), ("lstm", 16, 64, 512), ("gru", 16, 256, 256),
            ("gru", 64, 32, 384), ("gru", 4, 128, 591), ("gru", 2, 100, 300)]
@@ -426,7 +428,7 @@ def test_bfloat16_forward_lanes_rule(flags, monkeypatch):
   symbolic_batch, = jax.export.symbolic_shape("b")
   assert lanes("lstm", symbolic_batch, 256, 256) is None
   # float16 models multiply in float32: the float32 rule (by batch here).
-  assert _lanes("lstm", 32, 256, 256, dtype=jnp.float16) == "batch"
+  assert _lanes_of("lstm", 32, 256, 256, dtype=jnp.float16) == "batch"
   for backend, devices in (("cpu", 4), ("gpu", 1)):
     with monkeypatch.context() as m:
       m.setattr(jax, "device_count", lambda: devices)
@@ -451,8 +453,8 @@ def test_bfloat16_products_reads_the_cpu_flags(monkeypatch):
 def unit_lanes_everywhere(monkeypatch):
   """The forward alone in two lanes by unit for any cell, weight size and batch
   of two to seven, and float64."""
-  monkeypatch.setattr(_xla, "UNIT_LANE_MIN_BYTES", {mode: 0 for mode in _xla._CELLS})
-  monkeypatch.setattr(_xla, "LANE_DTYPES", frozenset({np.dtype(np.float64)}))
+  monkeypatch.setattr(_lanes, "UNIT_LANE_MIN_BYTES", {mode: 0 for mode in _xla._CELLS})
+  monkeypatch.setattr(_lanes, "LANE_DTYPES", frozenset({np.dtype(np.float64)}))
 
 
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
@@ -522,7 +524,7 @@ def test_forward_in_lanes_runs_chunks_of_16(cls, T, B, trips, carries, lanes_eve
   """A forward alone in two lanes seeks chunks of 16 steps (an LSTM's over 64
   steps: 4 loop trips, each carrying two lanes' h and c; over 32, 2 trips; an
   RNN-relu's over 48, 3), but a GRU's only from 64 steps on (8 below), and in
-  one lane only a GRU's (`_xla.inference_chunk`). Outputs and final states as
+  one lane only a GRU's (`_chunks.inference_chunk`). Outputs and final states as
   the reference's."""
   spec, (x, h, c, params) = _setup(cls, 1, "unidirectional", "linear_input", T=T, B=B)
   forward = jax.jit(lambda x: _xla.rnn(spec, x, h, c, params))
@@ -654,7 +656,7 @@ def test_chunked_forward_matches_reference(cls, direction):
   """36 steps: four chunks of nine (the forward alone) or nine of four (the
   derivative's forward). One sequence ends inside the third chunk of nine, the
   sixth of four."""
-  assert _xla.chunk_steps(36) == 9
+  assert _chunks.chunk_steps(36) == 9
   spec, args = _setup(cls, 1, direction, "linear_input", T=36, B=3)
   lengths = jnp.array([36, 22, 0], jnp.int32)
   for seq_lengths in (None, lengths):
@@ -667,7 +669,7 @@ def test_chunked_forward_matches_reference(cls, direction):
 
 def test_chunked_forward_two_layers_skip_input_and_second_order():
   spec, (x, h, c, params) = _setup(SPEC_CLASSES[0], 2, "bidirectional", "skip_input", T=32)
-  assert _xla.chunk_steps(32) == 8
+  assert _chunks.chunk_steps(32) == 8
   lengths = jnp.array([32, 13, 0], jnp.int32)
   _compare(spec, (x, h, c, params), lengths, (0, 1, 2, 3))
   v = np.random.default_rng(6).normal(size=params.shape)
@@ -872,7 +874,7 @@ def test_bfloat16_forward_in_unit_lanes(cls, monkeypatch):
   and final states the one-lane forward's to a bfloat16 rounding, and under
   `vmap` too."""
   monkeypatch.setattr(_cpu, "flags", lambda: AVX512_BF16)
-  monkeypatch.setattr(_xla, "BFLOAT16_UNIT_LANE_BYTES", (0, np.inf))
+  monkeypatch.setattr(_lanes, "BFLOAT16_UNIT_LANE_BYTES", (0, np.inf))
   spec = cls(2, 5, 6, dtype=jnp.bfloat16)
   weights, biases = random_canonical(spec)
   params = spec.canonical_to_params(weights, biases)
@@ -891,7 +893,7 @@ def test_bfloat16_forward_in_unit_lanes(cls, monkeypatch):
   states = [(3, 2), (3, 3)] * (2 if spec.has_cell_state else 1)
   carries, in_lanes, outputs = programs()
   assert carries == [states] * 2
-  monkeypatch.setattr(_xla, "forward_lanes", lambda *args: None)
+  monkeypatch.setattr(_lanes, "forward_lanes", lambda *args: None)
   carries, one_lane, one_lane_outputs = programs()
   assert carries == [[(3, 5)] * (len(states) // 2)] * 2
   np.testing.assert_allclose(in_lanes, one_lane, rtol=0, atol=1e-6)
