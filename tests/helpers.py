@@ -88,6 +88,18 @@ def call(spec, x, h, c, params, **kwargs):
   return y, h_out, None
 
 
+def same_under(setting, loose, strict, derivatives):
+  """`derivatives()` under `setting(strict)` (a JAX config context), checked
+  equal, leaf by leaf, to it under `setting(loose)`; returns the former."""
+  with setting(loose):
+    expected = derivatives()
+  with setting(strict):
+    got = derivatives()
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, b)
+  return got
+
+
 def random_inputs(spec, T, B, seed=1):
   rng = np.random.default_rng(seed)
   S = spec.num_layers * (2 if spec.direction == "bidirectional" else 1)

@@ -16,7 +16,7 @@ import pytest
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _cudnn, interop
-from helpers import SPEC_CLASSES, assert_layout_is_analytic, call, random_inputs
+from helpers import SPEC_CLASSES, assert_layout_is_analytic, call, random_inputs, same_under
 
 _available, _why = _cudnn.availability()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _available, reason=_why or "no CUDA")]
@@ -93,6 +93,31 @@ def test_half_precision(cls, dtype):
   except ValueError as e:  # a clear error where cuDNN does not support the dtype
     assert "cuDNN rejected" in str(e) and dtype == jnp.bfloat16, e
 
+
+
+@pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_under_strict_dtype_promotion(cls, dtype):
+  """A half-precision model's cuDNN call, with sequence lengths, leans on no
+  implicit dtype promotion: its values and gradient under
+  `jax_numpy_dtype_promotion="strict"` equal those under "standard"
+  (`test_transforms.py` holds the "xla" path there, forward mode too)."""
+  spec = cls(2, 8, 8, input_mode="skip_input", direction="bidirectional", dtype=dtype)
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = random_inputs(spec, 6, 3)
+  lengths = np.array([6, 1, 0], np.int32)
+
+  def loss(p, x, h):
+    out = call(spec, x, h, c, p, seq_lengths=lengths, implementation="cudnn")
+    return sum(jnp.sum(o.astype(jnp.float32) ** 2) for o in out if o is not None)
+
+  derivatives = lambda: jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, x, h)
+  try:
+    got = same_under(jax.numpy_dtype_promotion, "standard", "strict", derivatives)
+  except ValueError as e:  # as test_half_precision: where cuDNN does not support the dtype
+    assert "cuDNN rejected" in str(e) and dtype == jnp.bfloat16, e
+    return
+  assert float(jnp.abs(got[1][0].astype(jnp.float32)).sum()) > 0
 
 @needs_device
 def test_default_implementation_runs_every_dtype():

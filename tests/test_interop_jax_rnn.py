@@ -10,7 +10,7 @@ import pytest
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import interop
-from helpers import random_inputs
+from helpers import CROSS_TOL, random_inputs
 
 rnn = pytest.importorskip("jax.experimental.rnn")
 
@@ -93,7 +93,7 @@ def test_skip_input_writes_and_reads_identities():
   np.testing.assert_array_equal(interop.from_jax_experimental_rnn(spec, weights), params)
   x, h, c = _inputs(spec)
   for a, b in zip(spec(x, h, c, params, time_major=False), _theirs(spec, x, h, c, weights)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=CROSS_TOL)  # cuDNN's on a GPU
 
 
 def test_dtype_is_the_specs():

@@ -12,7 +12,7 @@ from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _reference, _xla
-from helpers import SPEC_CLASSES, call, random_inputs
+from helpers import SPEC_CLASSES, call, random_inputs, same_under
 
 
 def _setup(cls, direction="bidirectional", layers=2):
@@ -104,7 +104,9 @@ def test_eager_transformations_compile_once_per_shape(cls, xla_traces):
       return jnp.sum(jnp.sin(y)) + jnp.sum(hn ** 2) + (0 if cn is None else jnp.sum(jnp.cos(cn)))
     return f
 
-  ours = loss(lambda *a: call(spec, *a, seq_lengths=lengths, dropout_key=key))
+  # "xla" named: forward mode below, which the cuDNN path (a GPU's default) has not.
+  ours = loss(lambda *a: call(spec, *a, seq_lengths=lengths, dropout_key=key,
+                              implementation="xla"))
   ref = loss(lambda x, h, c, p: _reference.rnn(spec, x, h, c, p, seq_lengths=jnp.asarray(lengths),
                                                dropout_key=key, apply_dropout=True))
   args = (x, h, c, params)
@@ -204,18 +206,6 @@ def test_grad_through_canonical_conversion_matches_direct():
   np.testing.assert_allclose(spec.canonical_to_params(gw, gb), g_direct, rtol=1e-12)
 
 
-def _same_under(setting, loose, strict, derivatives):
-  """`derivatives()` under `setting(strict)` (a JAX config context), checked
-  equal, leaf by leaf, to it under `setting(loose)`; returns the former."""
-  with setting(loose):
-    expected = derivatives()
-  with setting(strict):
-    got = derivatives()
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
-    np.testing.assert_array_equal(a, b)
-  return got
-
-
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_runs_under_strict_dtype_promotion(cls, dtype):
@@ -229,7 +219,7 @@ def test_runs_under_strict_dtype_promotion(cls, dtype):
   lengths = np.array([40, 1, 0], np.int32)
 
   def loss(p, x, h):
-    out = call(spec, x, h, c, p, seq_lengths=lengths)
+    out = call(spec, x, h, c, p, seq_lengths=lengths, implementation="xla")  # forward mode
     return sum(jnp.sum(o.astype(jnp.float32) ** 2) for o in out if o is not None)
 
   def derivatives():
@@ -237,7 +227,7 @@ def test_runs_under_strict_dtype_promotion(cls, dtype):
     tangent = jax.jvp(lambda p: loss(p, x, h), (params,), (params,))[1]
     return value, grads, tangent
 
-  got = _same_under(jax.numpy_dtype_promotion, "standard", "strict", derivatives)
+  got = same_under(jax.numpy_dtype_promotion, "standard", "strict", derivatives)
   assert float(jnp.abs(got[1][0].astype(jnp.float32)).sum()) > 0
 
 
@@ -254,7 +244,8 @@ def test_runs_where_implicit_rank_promotion_raises(cls, steps):
   lengths = np.array([steps, 1, 0])
 
   def loss(p, x, h):
-    out = call(spec, x, h, c, p, seq_lengths=lengths, dropout_key=jax.random.key(1))
+    out = call(spec, x, h, c, p, seq_lengths=lengths, dropout_key=jax.random.key(1),
+               implementation="xla")  # forward mode below
     return sum(jnp.sum(o * o) for o in out if o is not None)
 
   def derivatives():
@@ -263,5 +254,5 @@ def test_runs_where_implicit_rank_promotion_raises(cls, steps):
     batched = jax.vmap(lambda x: loss(params, x, h))(np.stack([x, 2 * x]))
     return value, grads, tangent, batched
 
-  got = _same_under(jax.numpy_rank_promotion, "allow", "raise", derivatives)
+  got = same_under(jax.numpy_rank_promotion, "allow", "raise", derivatives)
   assert float(jnp.abs(got[1][0]).sum()) > 0
