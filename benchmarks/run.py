@@ -248,16 +248,18 @@ def _jax_contender(fwd, grad, args, scratch=None):
 
 
 def ours(shape: Shape, implementation: str, time_major: bool = False,
-         algorithm: str | None = None, persistent_batch_major: str = "none"):
+         algorithm: str | None = None, persistent_batch_major: str | None = None):
   """Ours on batch-major input, as the peers take it; or, with `time_major`, on the
   same input laid out [T, B, I] (on a GPU, cuDNN's sequence-major layout: session 38
   in benchmarks/NOTES.md). `algorithm`: a cuDNN algorithm policy to trace it under
   (`_cudnn.ALGORITHM_POLICIES`), else the environment's (by default "auto", which
   picks the persistent small-h algorithm where cuDNN's limits allow).
   `persistent_batch_major`: `_cudnn.PERSISTENT_BATCH_MAJOR` to trace it under (which calls
-  of that algorithm get batch-major data as it is, not transposed; sessions 45-46)."""
+  of that algorithm get batch-major data as it is, not transposed; sessions 45-46 and 63),
+  else the library's default."""
   with (_environment(_cudnn.ALGORITHM_ENV, algorithm),
-        mock.patch.object(_cudnn, "PERSISTENT_BATCH_MAJOR", persistent_batch_major)):
+        mock.patch.object(_cudnn, "PERSISTENT_BATCH_MAJOR",
+                          persistent_batch_major or _cudnn.PERSISTENT_BATCH_MAJOR)):
     return _ours(shape, implementation, time_major)
 
 
@@ -401,13 +403,10 @@ def contenders(shape: Shape, gpu: bool, have_torch: bool):
       # A shape where ours-cudnn runs cuDNN's persistent small-h algorithm: the
       # standard one beside it (session 39 in benchmarks/NOTES.md).
       out["ours-cudnn-standard"] = lambda: ours(shape, "cudnn", algorithm="standard")
-      # And batch-major data given to its inference call as it is, not transposed, the
-      # derivative's calls sequence-major: session 46 found the forward faster so on an
-      # H100 and training slower with every call so ("all"; benchmarks/NOTES.md). Where
-      # cuDNN turns it down at the descriptor or the size query, the standard algorithm
-      # runs (its time then shows it).
-      out["ours-cudnn-batch-major-inference"] = lambda: ours(
-          shape, "cudnn", persistent_batch_major="inference")
+      # And batch-major data transposed to sequence-major around every call of that
+      # algorithm ("none"), where the default ("inference") gives its inference call
+      # the data as it is: the default before session 63 (benchmarks/NOTES.md).
+      out["ours-cudnn-transposed"] = lambda: ours(shape, "cudnn", persistent_batch_major="none")
     if shape.mode == "lstm" and shape.dtype == "float32":
       out["jax.experimental.rnn"] = lambda: jax_experimental(shape)
   if have_torch:

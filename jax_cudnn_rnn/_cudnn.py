@@ -636,12 +636,12 @@ def call_config(spec, time_major: bool, has_lengths: bool, training: bool = True
 def _run_fused(spec, x, h0, c0, params, lengths, has_lengths, time_major):
   """`spec`'s layers as one fused call (`spec` may be a `_layer_spec`).
 
-  Batch-major data goes to cuDNN as it is (its batch-major layout), but where
-  a call runs the persistent small-h algorithm: there it is transposed to
-  sequence-major around the call, the layout that algorithm is known to run in
-  (PyTorch gives it no other), unless `PERSISTENT_BATCH_MAJOR` says otherwise. A
-  departure from DESIGN's "no transposes" for the batch-major layout, costing two
-  transposes of the data (four with the gradient) at the small hidden sizes where
+  Batch-major data goes to cuDNN as it is (its batch-major layout), but to the
+  calls of a derivative that run the persistent small-h algorithm: there it is
+  transposed to sequence-major around the calls (the layout PyTorch gives that
+  algorithm, and the faster for its backward), as `PERSISTENT_BATCH_MAJOR` says.
+  A departure from DESIGN's "no transposes" for the batch-major layout, costing
+  four transposes of the data in a derivative at the small hidden sizes where
   that algorithm runs.
   """
   infer, train = (call_config(spec, time_major, has_lengths, training=t) for t in (False, True))
