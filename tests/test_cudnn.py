@@ -94,7 +94,6 @@ def test_half_precision(cls, dtype):
     assert "cuDNN rejected" in str(e) and dtype == jnp.bfloat16, e
 
 
-
 @pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_half_precision_under_strict_dtype_promotion(cls, dtype):
@@ -118,6 +117,7 @@ def test_half_precision_under_strict_dtype_promotion(cls, dtype):
     assert "cuDNN rejected" in str(e) and dtype == jnp.bfloat16, e
     return
   assert float(jnp.abs(got[1][0].astype(jnp.float32)).sum()) > 0
+
 
 @needs_device
 def test_default_implementation_runs_every_dtype():
