@@ -175,7 +175,7 @@ def test_eager_calls_follow_a_changed_algorithm_policy(handlers, monkeypatch):
     spec(x, h, c, params, is_training=False, implementation="cudnn")
 
 
-@pytest.mark.parametrize("persistent_batch_major", _cudnn.PERSISTENT_BATCH_MAJOR_CHOICES)
+@pytest.mark.parametrize("persistent_batch_major", [*_cudnn.PERSISTENT_BATCH_MAJOR_CHOICES, None])
 @pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
 @pytest.mark.parametrize("policy", _cudnn.ALGORITHM_POLICIES)
 def test_batch_major_data_is_sequence_major_under_the_persistent_algorithm(
@@ -183,10 +183,13 @@ def test_batch_major_data_is_sequence_major_under_the_persistent_algorithm(
   """Batch-major data reaches cuDNN batch-major, but under the persistent
   small-h algorithm, which gets it transposed to sequence-major (the layout it
   is known to run in) unless `_cudnn.PERSISTENT_BATCH_MAJOR` names the calls
-  that take it as it is (the benchmarks' experiment); values and gradients are
-  the same either way."""
+  that take it as it is; by default (None: not set) the inference call alone
+  (session 63). Values and gradients are the same either way."""
   monkeypatch.setenv(_cudnn.ALGORITHM_ENV, policy)
-  monkeypatch.setattr(_cudnn, "PERSISTENT_BATCH_MAJOR", persistent_batch_major)
+  if persistent_batch_major is None:
+    persistent_batch_major = "inference"  # what the library does unless told otherwise
+  else:
+    monkeypatch.setattr(_cudnn, "PERSISTENT_BATCH_MAJOR", persistent_batch_major)
   spec = cls(2, 6, 3, direction="bidirectional")
   x, h, c, params = _inputs(spec, 5, 3, time_major=False)
 
