@@ -130,6 +130,18 @@ def _values_and_grads(loss, operands, implementation):
   return f(*operands, implementation), f.lower(*operands, implementation).compile().as_text()
 
 
+# One device's results, the reference of each mode and split, by problem and
+# backend: each is a compilation of its own, computed once (they were about a
+# third of this file's time when each case computed its own).
+_ONE_DEVICE = {}
+
+
+def _one_device(key, compute):
+  if key not in _ONE_DEVICE:
+    _ONE_DEVICE[key] = jax.device_get(compute())
+  return _ONE_DEVICE[key]
+
+
 def _spec_at(array, axis):
   spec = array.sharding.spec
   return spec[axis] if len(spec) > axis else None
@@ -143,7 +155,8 @@ def test_batch_sharded_equals_one_device(request, case, implementation, mode):
     model = request.getfixturevalue("model")
   spec, options = CASES[case]
   operands, loss, time_major = _problem(spec, options)
-  (want_value, want_grads), _ = _values_and_grads(loss, operands, implementation)
+  want_value, want_grads = _one_device(
+      (case, implementation), lambda: _values_and_grads(loss, operands, implementation)[0])
 
   mesh = _mesh(mode)
   with _in(mesh, mode):
@@ -178,7 +191,7 @@ def test_inference_batch_sharded_equals_one_device(request, implementation, mode
     return call(spec, x, h, c, params, is_training=False, seq_lengths=lengths,
                 implementation=implementation, time_major=False)[:2]
 
-  want = jax.jit(infer)(*operands)
+  want = _one_device(("inference", implementation), lambda: jax.jit(infer)(*operands))
   mesh = _mesh(mode)
   with _in(mesh, mode):
     sharded = _shard(mesh, operands, time_major=False)
@@ -203,9 +216,10 @@ def test_inside_a_users_shard_map(request, implementation):
   JAX checks by type (`check_vma`)."""
   if implementation == "cudnn":
     request.getfixturevalue("model")
-  spec, options = CASES["lstm-2-layers-bidirectional"]
-  operands, loss, _ = _problem(spec, options)
-  (want_value, want_grads), _ = _values_and_grads(loss, operands, implementation)
+  case = "lstm-2-layers-bidirectional"
+  operands, loss, _ = _problem(*CASES[case])
+  want_value, want_grads = _one_device(
+      (case, implementation), lambda: _values_and_grads(loss, operands, implementation)[0])
 
   mesh = _mesh("auto")
   data, state = P(None, "data", None), P(None, "data", None)
@@ -231,7 +245,8 @@ def test_bfloat16_batch_sharded(mode):
   major."""
   spec = jcr.CudnnLSTM(2, 6, 3, direction="bidirectional", dtype=jnp.bfloat16)
   operands, loss, time_major = _problem(spec, dict(steps=36, lengths=True, time_major=False))
-  (want_value, want_grads), _ = _values_and_grads(loss, operands, "xla")
+  want_value, want_grads = _one_device(
+      ("bfloat16", "xla"), lambda: _values_and_grads(loss, operands, "xla")[0])
   if mode == "shard_map":
     x, h, c, params, lengths = operands
     batch, state = P("data", None, None), P(None, "data", None)
@@ -283,7 +298,8 @@ def test_other_splits_are_gathered(request, split, implementation, mode):
   # Every split dimension even (features 4, units 6, 4 states, 36 steps: chunked).
   spec = jcr.CudnnLSTM(2, 6, 4, direction="bidirectional", **F64)
   operands, loss, _ = _problem(spec, dict(steps=36, lengths=True))
-  (want_value, want_grads), _ = _values_and_grads(loss, operands, implementation)
+  want_value, want_grads = _one_device(
+      ("other splits", implementation), lambda: _values_and_grads(loss, operands, implementation)[0])
   mesh = jax.make_mesh((2, DEVICES // 2), ("data", "model"),
                        axis_types=(AxisType.Explicit,) * 2)
   x_spec, state_spec, params_spec, lengths_spec = OTHER_SPLITS[split]
@@ -380,7 +396,7 @@ def test_linen_module_train_step(request, implementation, mode):
     return jnp.sum(jnp.sin(m.apply(variables, x)))
 
   step = jax.jit(jax.value_and_grad(loss))
-  want_value, want_grads = step(variables, x)
+  want_value, want_grads = _one_device(("linen", implementation), lambda: step(variables, x))
   mesh = _mesh(mode)
   with _in(mesh, mode):
     xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
