@@ -131,8 +131,8 @@ def _values_and_grads(loss, operands, implementation):
 
 
 # One device's results, the reference of each mode and split, by problem and
-# backend: each is a compilation of its own, computed once (they were about a
-# third of this file's time when each case computed its own).
+# backend: each is a compilation of its own, computed once (when each case
+# computed its own, this file's run took 290 s alone, against 214 s).
 _ONE_DEVICE = {}
 
 
