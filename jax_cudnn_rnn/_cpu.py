@@ -10,6 +10,11 @@ than on the AMX Xeon. This module reads the CPU's feature flags once; on a
 system without /proc/cpuinfo they are unknown, and the rules that need them
 keep the choice made before them.
 
+It also reads the size of a core's L2 cache, which bounds where a float32
+forward gains from lanes by batch (`_lanes.LANE_L2_MULTIPLE`): measured on a
+2-core Zen 3 (512 KiB of L2 a core), whose lanes by batch lost where those of
+the Xeon (2 MiB) and the Zen 5 (1 MiB) gained (session 65).
+
 DESIGN §4 has no module for this: it is here, rather than in `_xla.py`, so
 that tests can stand in a CPU of either kind (`flags`).
 """
@@ -20,6 +25,7 @@ import functools
 import pathlib
 
 CPUINFO = pathlib.Path("/proc/cpuinfo")
+CACHES = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")
 
 
 @functools.cache
@@ -48,3 +54,26 @@ def bfloat16_products() -> str | None:
   if "amx_bf16" in f:
     return "amx"
   return "avx512_bf16" if "avx512_bf16" in f else None
+
+
+@functools.cache
+def l2_bytes() -> int | None:
+  """The size of the first CPU's level-2 cache, in bytes (Linux's sysfs), or
+  None where it cannot be read."""
+  try:
+    for index in sorted(CACHES.glob("index*")):
+      if ((index / "level").read_text().strip() == "2"
+          and (index / "type").read_text().strip() in ("Unified", "Data")):
+        return _size_bytes((index / "size").read_text().strip())
+  except (OSError, ValueError):
+    return None
+  return None
+
+
+def _size_bytes(text: str) -> int:
+  """sysfs's cache size ("512K", "2048K", "1M") in bytes; ValueError for
+  anything else."""
+  units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+  if text[-1:].upper() in units:
+    return int(text[:-1]) * units[text[-1].upper()]
+  return int(text)

@@ -131,6 +131,24 @@ from jax_cudnn_rnn import _chunks, _cpu
 # H96 B32 0.87 -> 0.88, H64 B16 0.29 -> 0.30; GRU H128 B32 1.00 -> 1.01 and
 # T100 2.71 -> 3.05, H96 B64 1.39 -> 1.39, H64 B128 (48 KiB) 1.34 -> 1.60 (but
 # B256 2.90 -> 2.51).
+# A core's L2 cache. On a 2-core Zen 3 (AVX2, 512 KiB of L2 a core), the
+# window's lanes from 8 sequences lost or tied at an LSTM's H256 (1 MiB), where
+# the Xeon's (2 MiB of L2) and the Zen 5's (1 MiB) gained; below it they gained
+# or tied. Forward, float32, ms, one lane / by batch / by unit, in one process,
+# 15 interleaved rounds (benchmarks/NOTES.md, session 65):
+#   LSTM H256 B64 T32 I128 25.8 / 29.8 / 26.9 and 19.7 / 24.0 / 23.1 (Flax's
+#   scan 25.6, 22.1); B16 T256 I128 55.4 / 65.6 / 54.5; B32 T100 I128 42.6 /
+#   42.5 / 41.9; 3 layers B32 T100 I256 120.8 / 125.5 / 120.4;
+#   LSTM H224 (784 KiB) B64 T32 I64 16.1 / 15.7 / 16.5; H192 B32 T32 I64 7.0 /
+#   5.1 / 10.0; GRU H256 (768 KiB) B8 T256 I128 23.6 / 20.1 / 22.3, B16 T256
+#   43.3 / 40.2 / 34.7, B64 T32 17.1 / 17.0 / 17.3.
+# So from 8 sequences lanes run only where the matrix has less than
+# `LANE_L2_MULTIPLE` times a core's L2 cache (`_cpu.l2_bytes`; no bound where
+# it is unknown). On the Xeon and the Zen 5 that bound lies at or above the
+# window's top and changes nothing measured there (on the Xeon an LSTM's H512,
+# 4 MiB, twice its L2, lost: above). Below 8 sequences (lanes by unit) the
+# Zen 3 was not measured, and the rule is unchanged.
+LANE_L2_MULTIPLE = 2
 SMALL_LANE_MIN_CELLS = {"lstm": 4096, "gru": 7168}  # batch x units; other cells: none
 SMALL_LANE_MIN_BYTES = {"lstm": 64 * 1024, "gru": 96 * 1024}  # of R
 LANES = 2
@@ -231,7 +249,8 @@ def forward_lanes(mode, operands, xs, R) -> str | None:
   over directions) runs in `LANES` lanes: "units"
   (`_xla._forward_in_unit_lanes`) or "batch" (`_xla._forward_in_batch_lanes`)
   where the comments above say (for a matrix below `LANE_WEIGHT_BYTES`,
-  `SMALL_LANE_MIN_CELLS`), else None (one lane). `operands`:
+  `SMALL_LANE_MIN_CELLS`; and, from `LANE_MIN_BATCH` sequences, below
+  `LANE_L2_MULTIPLE` times a core's L2 cache), else None (one lane). `operands`:
   `_xla.operand_dtype` of the model; `R` its recurrent weights in the
   computation dtype. The window's bytes are those of `R` as the products read
   it: float32 (float16 models too), or bfloat16."""
@@ -258,6 +277,9 @@ def forward_lanes(mode, operands, xs, R) -> str | None:
   units = nbytes >= UNIT_LANE_MIN_BYTES.get(mode, np.inf)
   if batch >= LANE_MIN_BATCH:
     low, high = LANE_WEIGHT_BYTES
+    l2 = _cpu.l2_bytes()
+    if l2 is not None and nbytes >= LANE_L2_MULTIPLE * l2:
+      return None
     if nbytes <= low:
       cells = batch * R[0].shape[0]
       small = (nbytes >= SMALL_LANE_MIN_BYTES.get(mode, np.inf)

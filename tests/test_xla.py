@@ -38,8 +38,14 @@ def cpu_host(monkeypatch):
   for the tests of those rules and of the programs they shape. On a GPU host
   (`benchmarks/gpu_session.sh`'s suite stage) the rules shape no lanes and no
   step-by-step derivative, so those tests would find none; patched, the
-  programs are a CPU's, run on the GPU there, and their values still checked."""
+  programs are a CPU's, run on the GPU there, and their values still checked.
+  A core's L2 cache is the Xeon's 2 MiB, whatever the host's (`_cpu.l2_bytes`:
+  below 1 MiB it bounds the lanes, `test_lanes_bounded_by_the_l2_cache`)."""
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  monkeypatch.setattr(_cpu, "l2_bytes", lambda: XEON_L2)
+
+
+XEON_L2, ZEN3_L2 = 2 * 1024 * 1024, 512 * 1024
 
 
 def _setup(cls, layers, direction, input_mode, T=6, B=3):
@@ -455,6 +461,64 @@ def test_bfloat16_forward_lanes_rule(flags, monkeypatch):
     assert lanes("lstm", 16, 256, 256) is None, other
     assert lanes("gru", 4, 128, 384) is None, other
     assert lanes("lstm", 64, 32, 192) is None, other
+
+
+@pytest.mark.usefixtures("cpu_host")
+def test_lanes_bounded_by_the_l2_cache(monkeypatch):
+  """From 8 sequences, lanes only where the recurrent matrix has less than
+  twice a core's L2 cache: with a Zen 3's 512 KiB, an LSTM's H256 (1 MiB) runs
+  in one lane, by batch or by unit as it would otherwise; a GRU's H256 (768
+  KiB), an LSTM's H255 and the small matrices keep their lanes, and so do
+  lanes by unit below 8 sequences. Where L2 is unknown, no bound (the Xeon's
+  rule); with 1 MiB (a Zen 5's), none of the window's integer sizes reach it."""
+  cases = {("lstm", 16, 256, 256): "units", ("lstm", 64, 32, 256): "batch",
+           ("lstm", 8, 256, 256): "units", ("lstm", 17, 256, 362): "batch",
+           ("gru", 16, 256, 256): "batch", ("gru", 8, 256, 256): "batch",
+           ("lstm", 64, 32, 255): "batch", ("lstm", 64, 32, 224): "batch",
+           ("lstm", 64, 32, 64): "batch", ("gru", 64, 32, 128): "batch",
+           ("lstm", 4, 256, 256): "units", ("gru", 4, 64, 384): "units",
+           ("rnn_tanh", 16, 256, 511): "batch", ("rnn_tanh", 16, 256, 512): "batch"}
+  assert {case: _lanes_of(*case) for case in cases} == cases  # the Xeon's L2
+  for l2 in (None, 1024 * 1024):
+    monkeypatch.setattr(_cpu, "l2_bytes", lambda: l2)
+    assert {case: _lanes_of(*case) for case in cases} == cases, l2
+  monkeypatch.setattr(_cpu, "l2_bytes", lambda: ZEN3_L2)
+  bounded = {("lstm", 16, 256, 256), ("lstm", 64, 32, 256), ("lstm", 8, 256, 256),
+             ("lstm", 17, 256, 362), ("rnn_tanh", 16, 256, 512)}
+  assert {case: _lanes_of(*case) for case in cases} == {
+      case: None if case in bounded else lanes for case, lanes in cases.items()}
+  # bfloat16 products read half the bytes: an LSTM's H256 (512 KiB) keeps its lanes.
+  monkeypatch.setattr(_cpu, "flags", lambda: AVX512_BF16)
+  assert _lanes_of("lstm", 16, 256, 256, dtype=jnp.bfloat16) == "units"
+
+
+def test_l2_bytes_reads_sysfs(monkeypatch, tmp_path):
+  """`_cpu.l2_bytes` finds the level-2 cache among sysfs's cache indices and
+  reads its size ("512K", "1M"); None where there is none or it cannot be
+  read."""
+  def caches(*entries):
+    root = tmp_path / str(len(list(tmp_path.iterdir())))
+    for i, (level, kind, size) in enumerate(entries):
+      index = root / f"index{i}"
+      index.mkdir(parents=True)
+      for name, text in (("level", level), ("type", kind), ("size", size)):
+        (index / name).write_text(text + "\n")
+    return root
+  for entries, expected in (
+      ([("1", "Data", "32K"), ("1", "Instruction", "32K"), ("2", "Unified", "512K"),
+        ("3", "Unified", "32768K")], 512 * 1024),
+      ([("1", "Data", "48K"), ("2", "Unified", "2048K")], 2 * 1024 * 1024),
+      ([("2", "Unified", "1M")], 1024 * 1024),
+      ([("1", "Data", "32K"), ("2", "Instruction", "1M")], None),
+      ([("1", "Data", "32K")], None),
+      ([("2", "Unified", "lots")], None)):
+    monkeypatch.setattr(_cpu, "CACHES", caches(*entries))
+    _cpu.l2_bytes.cache_clear()
+    assert _cpu.l2_bytes() == expected, entries
+  monkeypatch.setattr(_cpu, "CACHES", tmp_path / "missing")
+  _cpu.l2_bytes.cache_clear()
+  assert _cpu.l2_bytes() is None
+  _cpu.l2_bytes.cache_clear()  # the host's again for the tests after
 
 
 def test_bfloat16_products_reads_the_cpu_flags(monkeypatch):
