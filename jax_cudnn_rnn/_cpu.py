@@ -11,9 +11,9 @@ system without /proc/cpuinfo they are unknown, and the rules that need them
 keep the choice made before them.
 
 It also reads the size of a core's L2 cache, which bounds where a float32
-forward gains from lanes by batch (`_lanes.LANE_L2_MULTIPLE`): measured on a
-2-core Zen 3 (512 KiB of L2 a core), whose lanes by batch lost where those of
-the Xeon (2 MiB) and the Zen 5 (1 MiB) gained (session 65).
+forward runs in lanes from 8 sequences (`_lanes.LANE_L2_MULTIPLE`): measured on
+a 2-core Zen 3 (512 KiB of L2 a core), whose lanes by batch lost at an LSTM's
+H256 where those of the Xeon (2 MiB) and the Zen 5 (1 MiB) gained (session 65).
 
 DESIGN §4 has no module for this: it is here, rather than in `_xla.py`, so
 that tests can stand in a CPU of either kind (`flags`).

@@ -249,8 +249,8 @@ def forward_lanes(mode, operands, xs, R) -> str | None:
   over directions) runs in `LANES` lanes: "units"
   (`_xla._forward_in_unit_lanes`) or "batch" (`_xla._forward_in_batch_lanes`)
   where the comments above say (for a matrix below `LANE_WEIGHT_BYTES`,
-  `SMALL_LANE_MIN_CELLS`; and, from `LANE_MIN_BATCH` sequences, below
-  `LANE_L2_MULTIPLE` times a core's L2 cache), else None (one lane). `operands`:
+  `SMALL_LANE_MIN_CELLS`; float32 products from `LANE_MIN_BATCH` sequences
+  only below `LANE_L2_MULTIPLE` times a core's L2 cache), else None (one lane). `operands`:
   `_xla.operand_dtype` of the model; `R` its recurrent weights in the
   computation dtype. The window's bytes are those of `R` as the products read
   it: float32 (float16 models too), or bfloat16."""
