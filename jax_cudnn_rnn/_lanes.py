@@ -147,7 +147,9 @@ from jax_cudnn_rnn import _chunks, _cpu
 # it is unknown). On the Xeon and the Zen 5 that bound lies at or above the
 # window's top and changes nothing measured there (on the Xeon an LSTM's H512,
 # 4 MiB, twice its L2, lost: above). Below 8 sequences (lanes by unit) the
-# Zen 3 was not measured, and the rule is unchanged.
+# rule is unchanged: on the Zen 3 its lanes went both ways (T128 I128, one lane
+# -> by unit: LSTM H256 B4 14.0 -> 12.6, B2 7.68 -> 7.73, H320 B4 14.5 -> 16.0;
+# GRU H384 B4 16.0 -> 14.1).
 LANE_L2_MULTIPLE = 2
 SMALL_LANE_MIN_CELLS = {"lstm": 4096, "gru": 7168}  # batch x units; other cells: none
 SMALL_LANE_MIN_BYTES = {"lstm": 64 * 1024, "gru": 96 * 1024}  # of R
