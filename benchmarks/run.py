@@ -448,8 +448,8 @@ def cpu_description() -> dict:
   oneDNN's matmul speed (the lent machines differ between sessions: AVX2 on
   one, AVX-512 and AMX on another), its family and model numbers (a virtual
   machine may name only the vendor, "AMD EPYC", for several generations) and
-  a core's L2 cache (which bounds the forward's lanes, `_lanes.LANE_WEIGHT_BYTES`),
-  from /proc/cpuinfo and sysfs where there are."""
+  a core's L2 cache (which bounds the forward's lanes: `_lanes.LANE_WEIGHT_BYTES`,
+  `_lanes.LANE_L2_MULTIPLE`), from /proc/cpuinfo and sysfs where there are."""
   model, family, number = platform.processor() or platform.machine(), None, None
   flags = _cpu.flags() or frozenset()  # the library's own reading, which its lane rule uses
   try:
@@ -464,10 +464,8 @@ def cpu_description() -> dict:
         number = value.strip()
   except OSError:
     pass
-  try:
-    l2 = pathlib.Path("/sys/devices/system/cpu/cpu0/cache/index2/size").read_text().strip()
-  except OSError:
-    l2 = None
+  l2 = _cpu.l2_bytes()  # the library's own reading, which its lane rule uses
+  l2 = None if l2 is None else f"{l2 // 1024}K"  # as sysfs writes it
   isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
   return {"model": model, "isa": isa, "family": family, "model_number": number, "l2_per_core": l2}
 
