@@ -391,13 +391,13 @@ def _assert_lanes_match_reference(run, forward, x):
   reference's outputs and final states; the gradient of a loss of the outputs
   (one lane) and `vmap` over two inputs too. The gradient and `vmap` are
   jitted, each path's program compiled whole: run eagerly, op by op, they
-  took a third of the suite's time in this file's lane tests (session 66)
-  for the same transformations of the same function."""
+  took about a third of the lane tests' time (session 66) for the same
+  transformations of the same function."""
   for a, b in zip(forward(x), run(_reference.rnn, x)):
     if b is not None:
       _assert_close(a, b)
-  loss = lambda rnn: jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(run(rnn, x)[0]))))
-  _assert_close(loss(_xla.rnn)(x), loss(_reference.rnn)(x))
+  grad = lambda rnn: jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(run(rnn, x)[0]))))
+  _assert_close(grad(_xla.rnn)(x), grad(_reference.rnn)(x))
   xs = jnp.stack([x, 2 * x])
   vmapped = jax.jit(jax.vmap(lambda x: run(_xla.rnn, x)[0]))(xs)
   _assert_close(vmapped, jnp.stack([run(_reference.rnn, a)[0] for a in xs]))
