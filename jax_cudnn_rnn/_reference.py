@@ -168,7 +168,7 @@ def input_bias(mode, bW, bR):
 
 
 def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul,
-                   joined=False):
+                   joined=False, last_cells=False):
   """One step of every direction, given its input pre-activations `xps[d]`
   (with the input bias). `cs` is None without a cell state. `valid_t`: None,
   the step's `[B]` mask for every direction, or a tuple of each direction's
@@ -176,7 +176,11 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul,
   `joined`: the "directions" are lanes of one direction's hidden units
   (`_xla`'s lanes by unit), each with its columns of every gate in `R[d]`,
   `xps[d]`, `bR[d]`: each multiplies the whole state, its lanes' parts
-  joined, and runs the cell on its own part.
+  joined, and runs the cell on its own part. `last_cells` (with a cell
+  state and a mask): each direction's cell state is a pair `(c, c_last)`,
+  where `c` runs on unmasked past the sequence's end and `c_last` is what
+  the mask keeps, the state at the last valid step (`_xla._forward` says
+  why); the hidden state is masked as ever.
 
   Returns `(hs, cs, outs, res)`, tuples over directions.
   """
@@ -187,9 +191,16 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul,
     rec = matmul(whole if joined else hs[d], R[d])
     if gru:
       rec = rec + lift(bR[d], rec.ndim)
-    h, c, r = cell(xps[d], rec, hs[d], cs[d] if lstm else None)
+    c_prev = cs[d] if lstm else None
+    if last_cells:
+      c_prev, c_last = c_prev
+    h, c, r = cell(xps[d], rec, hs[d], c_prev)
     valid_d = valid_t[d] if isinstance(valid_t, tuple) else valid_t
-    h, c, out = mask(valid_d, h, c, hs[d], cs[d] if lstm else None)
+    if last_cells:
+      h, c_last, out = mask(valid_d, h, c, hs[d], c_last)
+      c = (c, c_last)
+    else:
+      h, c, out = mask(valid_d, h, c, hs[d], c_prev)
     new_hs.append(h)
     new_cs.append(c)
     outs.append(out)
@@ -198,7 +209,7 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul,
 
 
 def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
-                 joined=False):
+                 joined=False, last_cells=False):
   """The forward recurrence of one layer, all directions in one `lax.scan`.
 
   `xs`, `h0`, `c0`, `R`, `bW`, `bR` (and `W`, unless None: skip_input) are
@@ -207,7 +218,8 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
   `cell(xp, rec, h, c)` returns `(h', c', res)`, `xp` holding the input
   pre-activations with the input bias, `rec` the recurrent ones (with the
   recurrent bias for GRU only), `res` anything to stack over time; `joined`
-  as `recurrent_step`'s.
+  and `last_cells` as `recurrent_step`'s (with `last_cells`, `c0` and `cT`
+  hold its pairs).
 
   Returns per-direction tuples `(ys, hT, cT, res)`.
   """
@@ -218,7 +230,7 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
     x_t, valid_t = inputs
     xps = project_inputs(x_t, W, in_bias, g, matmul)
     hs, cs, outs, res = recurrent_step(mode, cell, R, bR, *carry, xps, valid_t, matmul,
-                                       joined)
+                                       joined, last_cells)
     return (hs, cs), (outs, res)
 
   carry0 = (tuple(h0), None if c0 is None else tuple(c0))

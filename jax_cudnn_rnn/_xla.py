@@ -204,7 +204,8 @@ _CELLS = {"lstm": _lstm_cell, "gru": _gru_cell, "rnn_tanh": _tanh_cell, "rnn_rel
 # -- the forward recurrence, a chunk of steps at a time ---------------------------------
 
 
-def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk, joined=False):
+def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk, joined=False,
+                  last_cells=False):
   """`_reference.forward_scan`, with the input projection made for `chunk`
   steps at once: a scan over chunks, each projecting its `[chunk, B, in]`
   inputs in one matmul and then running its steps unrolled. Same arguments
@@ -219,7 +220,7 @@ def _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk, jo
     for k in range(chunk):
       hs, cs, outs, res = _reference.recurrent_step(
           mode, cell, R, bR, *carry, [xp[k] for xp in xps], jax.tree.map(lambda v: v[k], valid_c),
-          matmul, joined)
+          matmul, joined, last_cells)
       carry = (hs, cs)
       steps.append((outs, res))
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *steps)
@@ -303,9 +304,48 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
     chunk = _chunks.derivative_chunk(mode, xs, h0, R)
   else:
     chunk = _chunks.chunk_steps(steps, _chunks.inference_chunk(mode, steps, lanes))
+  last_cells = _carries_last_cells(mode, valid, coefficients)
+  if last_cells:
+    c0 = tuple((c, c) for c in c0)
   if chunk == 1:
-    return _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, joined)
-  return _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk, joined)
+    ys, hT, cT, res = _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR,
+                                              matmul, joined, last_cells)
+  else:
+    ys, hT, cT, res = _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk,
+                                    joined, last_cells)
+  if last_cells:
+    cT = tuple(c_last for _, c_last in cT)
+  return ys, hT, cT, res
+
+
+def _carries_last_cells(mode, valid, coefficients) -> bool:
+  """Whether `_forward` carries an LSTM's cell state unmasked, and the state
+  at each sequence's last valid step beside it (`_reference.recurrent_step`'s
+  `last_cells`): for the forward alone with a mask.
+
+  Masked, the cell state is a chain of cheap element-wise operations from
+  step to step (`where(valid, f c + i g, c)`), and XLA:CPU fuses each link
+  into its consumers, the next link's and the step's `tanh(c)`, so a chunk's
+  later steps recompute the links before them: the kernel of its sixth step
+  ran 34 us where an unmasked one ran 6-10 (LSTM B16 T50 I64 H128, traced).
+  Unmasked, the running state's step is one kernel with its gates, as without
+  `seq_lengths`, and the kept state's select reads it: traced, every step's
+  element-wise kernels then ran 4-10 us.
+  Past a sequence's end its running state is never read: the hidden state
+  (and with it the next step's product) is still masked, its outputs are
+  zeros, and its final cell state is the kept one; so padding, NaN or not,
+  changes nothing. The forward alone with `seq_lengths` on a 2-core Xeon,
+  masked -> kept, interleaved in one process, ms (without `seq_lengths`):
+  LSTM B16 T50 I64 H128 3.17 -> 1.99 (2.00) and 3.50 -> 2.95 (2.62); B16
+  T256 I128 H256 (lanes by unit) 29.7 -> 23.0 (22.6); B64 T32 I128 H256 11.5
+  -> 10.6 (9.9); B64 T32 I64 H128 (lanes by batch) 5.12 -> 4.29 (4.48); 2
+  bidirectional layers B64 T100 I128 H256 182 -> 163 (165); bfloat16 B16 T50
+  I64 H128 4.05 -> 3.04 (3.12); even at B8 T32 I64 H128 (0.84 -> 0.87), step
+  by step (B8 T20, 0.51 -> 0.50) and B4 T128 I128 H320 (9.5 -> 9.2;
+  benchmarks/NOTES.md, session 67). The derivative's forward keeps the masked
+  chain: in training `seq_lengths` cost 0-5% (B16 T50 I64 H128 7.09 -> 7.43
+  ms, B16 T256 I128 H256 137.9 -> 136.9, B64 T32 I128 H256 45.5 -> 47.5)."""
+  return mode == "lstm" and valid is not None and not coefficients
 
 
 # -- the forward alone in lanes ------------------------------------------------------

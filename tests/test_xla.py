@@ -275,6 +275,16 @@ def _scan_carries(jaxpr) -> list[int]:
   return [len(shapes) for shapes in _scan_carry_shapes(jaxpr)]
 
 
+def _forward_carry(h_shapes, cell_state, with_lengths):
+  """What a forward alone's loop carries, for lanes' hidden states of
+  `h_shapes`: those, then, with a cell state, each lane's cell state, and
+  with `seq_lengths` the cell state at each sequence's last valid step
+  beside it (the masked chain's kept state, `_xla._carries_last_cells`)."""
+  if not cell_state:
+    return list(h_shapes)
+  return list(h_shapes) + [s for s in h_shapes for _ in range(2 if with_lengths else 1)]
+
+
 def _lanes_of(mode, B, T, H, *, dtype=jnp.float32, directions=1):
   """`_lanes.forward_lanes` for a layer of `mode` with these sizes, as `_xla._layer`
   sees it: the weights in the computation dtype (float32 for half-precision models)."""
@@ -343,8 +353,9 @@ def test_forward_lanes_rule(monkeypatch):
 @pytest.mark.usefixtures("cpu_host")
 def test_forward_lanes_in_the_program():
   """A model the rule gives two lanes carries each lane's states in its forward
-  loop, with `seq_lengths` too: LSTM H256 over 4 or 12 sequences, h and c of
-  each lane's 128 units; over 18, of each lane's 9 sequences. Its
+  loop, with `seq_lengths` too (and then each lane's kept cell state): LSTM
+  H256 over 4 or 12 sequences, h and c of each lane's 128 units; over 18, of
+  each lane's 9 sequences. Its
   derivative's loops carry one lane's; a bidirectional model's forward
   carries one lane per direction."""
   lengths = lambda B: jnp.array([32] * (B - 1) + [5], jnp.int32)
@@ -358,7 +369,8 @@ def test_forward_lanes_in_the_program():
     params = spec.init_params(jax.random.key(0))
     forward = lambda x: _xla.rnn(spec, x, h, c, params,
                                  seq_lengths=lengths(B) if with_lengths else None)[0]
-    assert _scan_carry_shapes(jax.make_jaxpr(forward)(x)) == [[lane] * 4], (B, direction)
+    assert _scan_carry_shapes(jax.make_jaxpr(forward)(x)) == [
+        _forward_carry([lane] * 2, True, with_lengths)], (B, direction)
   spec = jcr.CudnnLSTM(1, 256, 8)
   params = spec.init_params(jax.random.key(0))
   for B in (4, 8):
@@ -559,9 +571,41 @@ def test_forward_in_unit_lanes_matches_reference(cls, H, input_mode, T, with_len
   lengths = jnp.array([T, 7, 0], jnp.int32) if with_lengths else None
   run = lambda rnn, x: rnn(spec, x, h, c, params, seq_lengths=lengths)
   forward = jax.jit(lambda x: run(_xla.rnn, x))
-  states = [(3, H // 2), (3, H - H // 2)] * (2 if spec.has_cell_state else 1)  # h (, c)
+  states = _forward_carry([(3, H // 2), (3, H - H // 2)], spec.has_cell_state, with_lengths)
   assert _scan_carry_shapes(jax.make_jaxpr(forward)(x)) == [states] * 2
   _assert_lanes_match_reference(run, forward, x)
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("direction,T,lanes", [
+    ("unidirectional", 6, None), ("unidirectional", 32, None), ("unidirectional", 32, "batch"),
+    ("unidirectional", 32, "units"), ("bidirectional", 6, None), ("bidirectional", 32, None),
+    ("bidirectional", 32, "batch")],
+    ids=["steps", "chunks", "batch_lanes", "unit_lanes", "bi_steps", "bi_chunks", "bi_batch_lanes"])
+def test_lstm_forward_alone_ignores_inputs_past_the_lengths(direction, T, lanes, monkeypatch):
+  """An LSTM's forward alone with `seq_lengths` runs its cell state on
+  unmasked past each sequence's end, and keeps the state at its last valid
+  step beside it (`_xla._carries_last_cells`), step by step, in chunks and in
+  lanes: inputs past the ends of NaN or inf change no bit of the outputs and
+  final states (the outputs there are zeros), which are the reference's; a
+  sequence of length 0 keeps its initial states exactly."""
+  monkeypatch.setattr(_lanes, "forward_lanes", lambda *args: lanes)
+  spec = jcr.CudnnLSTM(2, 4, 5, direction=direction, dtype=jnp.float64)
+  x, h, c = (jnp.asarray(a) for a in random_inputs(spec, T, 4, seed=7))
+  params = spec.init_params(jax.random.key(8))
+  lengths = jnp.array([T, 5, 0, 3], jnp.int32)
+  past = np.arange(T)[:, None] >= np.asarray(lengths)[None]
+  padded = lambda value: jnp.where(past[..., None], value, x)
+  forward = jax.jit(lambda x: _xla.rnn(spec, x, h, c, params, seq_lengths=lengths))
+  y, h_out, c_out = zeros = forward(padded(0.0))
+  for value in (jnp.nan, jnp.inf):
+    for got, want in zip(forward(padded(value)), zeros):
+      np.testing.assert_array_equal(got, want)
+  assert not np.any(np.asarray(y)[past]) and np.all(np.isfinite(np.asarray(y)))
+  np.testing.assert_array_equal(h_out[:, 2], h[:, 2])
+  np.testing.assert_array_equal(c_out[:, 2], c[:, 2])
+  for got, want in zip(zeros, _reference.rnn(spec, padded(0.0), h, c, params, seq_lengths=lengths)):
+    _assert_close(got, want)
 
 
 def test_lstm_forward_in_unit_lanes_from_eight_sequences(lanes_everywhere, unit_lanes_everywhere):
@@ -569,7 +613,8 @@ def test_lstm_forward_in_unit_lanes_from_eight_sequences(lanes_everywhere, unit_
   `UNIT_LANE_MAX_BATCH`), with `seq_lengths`: 9 sequences of 5 units, each
   loop carrying 2 and 3 units of all 9; outputs, final states, the gradient
   and `vmap` as the reference's. A GRU's stays in lanes by batch."""
-  for cls, states in ((jcr.CudnnLSTM, [(9, 2), (9, 3)] * 2), (jcr.CudnnGRU, [(4, 5), (5, 5)])):
+  for cls, states in ((jcr.CudnnLSTM, _forward_carry([(9, 2), (9, 3)], True, True)),
+                      (jcr.CudnnGRU, [(4, 5), (5, 5)])):
     spec = cls(2, 5, 6, dtype=jnp.float64)
     x, h, c = (None if a is None else jnp.asarray(a) for a in random_inputs(spec, 32, 9, seed=4))
     params = spec.init_params(jax.random.key(5))
@@ -593,7 +638,7 @@ def test_forward_in_lanes_matches_reference(cls, B, input_mode, with_lengths, la
   lengths = jnp.array([32, 7, 0, 19][:B], jnp.int32) if with_lengths else None
   run = lambda rnn, x: rnn(spec, x, h, c, params, seq_lengths=lengths)
   forward = jax.jit(lambda x: run(_xla.rnn, x))
-  per_lane = 2 if spec.has_cell_state else 1
+  per_lane = len(_forward_carry([None], spec.has_cell_state, with_lengths))
   assert _scan_carries(jax.make_jaxpr(forward)(x)) == [2 * per_lane] * 2
   _assert_lanes_match_reference(run, forward, x)
 
@@ -978,12 +1023,11 @@ def test_bfloat16_forward_in_unit_lanes(cls, monkeypatch):
     return (carries, np.asarray(jax.jit(layers)(f32(x), f32(h), f32(c)), np.float64),
             [jax.jit(whole)(x), jax.jit(jax.vmap(whole))(jnp.stack([x, -x]))])
 
-  states = [(3, 2), (3, 3)] * (2 if spec.has_cell_state else 1)
   carries, in_lanes, outputs = programs()
-  assert carries == [states] * 2
+  assert carries == [_forward_carry([(3, 2), (3, 3)], spec.has_cell_state, True)] * 2
   monkeypatch.setattr(_lanes, "forward_lanes", lambda *args: None)
   carries, one_lane, one_lane_outputs = programs()
-  assert carries == [[(3, 5)] * (len(states) // 2)] * 2
+  assert carries == [_forward_carry([(3, 5)], spec.has_cell_state, True)] * 2
   np.testing.assert_allclose(in_lanes, one_lane, rtol=0, atol=1e-6)
   up = lambda a: None if a is None else np.asarray(a, np.float64)
   rounded = numpy_rnn(spec.rnn_mode, 2, False, False, [up(w) for w in weights],
