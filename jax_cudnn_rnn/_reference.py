@@ -292,6 +292,13 @@ def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None,
   c0 = None if c0 is None else c0.astype(cdt)
   if not time_major:
     x = jnp.swapaxes(x, 0, 1)
+  if seq_lengths is not None:
+    # No output reads an input past its sequence's length, but a gradient
+    # would: the weights' gradient sums `x^T du` over every step, where a
+    # NaN or inf of padding times its zero cotangent is NaN. Zeroed, padding
+    # reaches neither values nor gradients (whose part for it is zero).
+    past = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None] >= seq_lengths[None, :]
+    x = jnp.where(past[..., None], jnp.zeros((), x.dtype), x)
   D = spec.num_dirs
   blocks = param_blocks(spec, params)
   hs, cs = [], []

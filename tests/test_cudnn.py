@@ -84,6 +84,40 @@ def test_seq_lengths_and_layouts(cls, direction, time_major):
                            time_major=time_major)
 
 
+@needs_device
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("time_major", [True, False])
+def test_inputs_past_the_lengths_reach_nothing(cls, time_major):
+  """As on the "xla" path (tests/test_xla.py), inputs past each sequence's
+  length, NaN or inf, change no output, final state or gradient of cuDNN's
+  from those of zero padding, and the gradient with respect to them is zero:
+  whether cuDNN reads padding (its backward weights over every step) is its
+  own; this asks it (not yet run on a GPU when written, session 67)."""
+  spec = cls(2, 8, 5, direction="bidirectional", dtype=jnp.float32)
+  params = spec.init_params(jax.random.key(1))
+  x, h, c = (None if a is None else jnp.asarray(a) for a in random_inputs(spec, 7, 4, seed=2))
+  lengths = jnp.array([7, 3, 1, 0], jnp.int32)
+  past = np.arange(7)[:, None] >= np.asarray(lengths)[None]
+  past_of = lambda a: past if time_major else past.T
+  padded = lambda value: jnp.where(past_of(x)[..., None], value,
+                                   x if time_major else jnp.swapaxes(x, 0, 1))
+
+  def loss(x, h, c, p):
+    y, hn, cn = call(spec, x, h, c, p, implementation="cudnn", seq_lengths=lengths,
+                     time_major=time_major)
+    return jnp.sum(jnp.sin(y)) + jnp.sum(hn ** 2) + (0 if cn is None else jnp.sum(jnp.cos(cn)))
+
+  argnums = (0, 1, 2, 3) if spec.has_cell_state else (0, 1, 3)
+  run = jax.jit(jax.value_and_grad(loss, argnums=argnums))
+  zeros = run(padded(0.0), h, c, params)
+  for value in (jnp.nan, jnp.inf):
+    for got, want in zip(jax.tree.leaves(run(padded(value), h, c, params)),
+                         jax.tree.leaves(zeros)):
+      np.testing.assert_array_equal(got, want)
+  dx = np.asarray(zeros[1][0])
+  assert np.all(np.isfinite(dx)) and not np.any(dx[past_of(dx)]) and np.any(dx[~past_of(dx)])
+
+
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_half_precision(cls, dtype):

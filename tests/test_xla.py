@@ -608,6 +608,32 @@ def test_lstm_forward_alone_ignores_inputs_past_the_lengths(direction, T, lanes,
     _assert_close(got, want)
 
 
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("T", [6, 32], ids=["steps", "chunks"])
+def test_inputs_past_the_lengths_reach_no_gradient(cls, T):
+  """Inputs past each sequence's length (NaN or inf) change no bit of the
+  "xla" path's or the reference's outputs, final states or gradients, which
+  are those of zero padding; the gradient with respect to them is zero.
+  (Unzeroed, the weights' gradient summed padding times a zero cotangent:
+  NaN.)"""
+  spec = cls(2, 4, 5, direction="bidirectional", dtype=jnp.float64)
+  x, h, c = (None if a is None else jnp.asarray(a) for a in random_inputs(spec, T, 4, seed=9))
+  params = spec.init_params(jax.random.key(10))
+  lengths = jnp.array([T, 5, 0, 3], jnp.int32)
+  past = np.arange(T)[:, None] >= np.asarray(lengths)[None]
+  padded = lambda value: jnp.where(past[..., None], value, x)
+  for rnn in (_xla.rnn, _reference.rnn):
+    run = jax.jit(jax.value_and_grad(_loss(rnn, spec, lengths), argnums=(0, 1, 2, 3)
+                                     if spec.has_cell_state else (0, 1, 3)))
+    zeros = run(padded(0.0), h, c, params)
+    for value in (jnp.nan, jnp.inf):
+      for got, want in zip(jax.tree.leaves(run(padded(value), h, c, params)),
+                           jax.tree.leaves(zeros)):
+        np.testing.assert_array_equal(got, want)
+    dx = zeros[1][0]
+    assert np.all(np.isfinite(dx)) and not np.any(dx[past]) and np.any(dx[~past])
+
+
 def test_lstm_forward_in_unit_lanes_from_eight_sequences(lanes_everywhere, unit_lanes_everywhere):
   """From 8 sequences the rule takes an LSTM's forward in lanes by unit (up to
   `UNIT_LANE_MAX_BATCH`), with `seq_lengths`: 9 sequences of 5 units, each
