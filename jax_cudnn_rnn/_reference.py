@@ -179,8 +179,8 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul,
   joined, and runs the cell on its own part. `last_cells` (with a cell
   state and a mask): each direction's cell state is a pair `(c, c_last)`,
   where `c` runs on unmasked past the sequence's end and `c_last` is what
-  the mask keeps, the state at the last valid step (`_xla._forward` says
-  why); the hidden state is masked as ever.
+  the mask keeps, the state at the last valid step
+  (`_xla._carries_last_cells` says why); the hidden state is masked as ever.
 
   Returns `(hs, cs, outs, res)`, tuples over directions.
   """

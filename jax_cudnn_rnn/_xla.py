@@ -77,6 +77,11 @@ dot products or AMX tiles (`_cpu`; on the Zen 5, LSTM B16 T256 I128 H256
 10.5-11.4 -> 7.8-8.2 ms, GRU B64 T32 3.7 -> 2.6; session 50; on the AMX Xeon,
 20.0 -> 14.7 and 5.5 -> 4.2; session 60).
 
+With `seq_lengths`, an LSTM's forward alone carries its cell state unmasked
+and the state at each sequence's last valid step beside it, where the masked
+state made XLA:CPU repeat a chunk's earlier steps in each later step's kernel
+(`_carries_last_cells`; LSTM B16 T256 I128 H256 29.7 -> 23.0 ms, session 67).
+
 How the forward reads the weights. `_reference._layer_params` takes them from
 the opaque buffer's blocks (`_reference.param_blocks`) and transposes them
 (`W [in, g*H]`, `R [H, g*H]`), which XLA:CPU does at about 1 ns an element (an
