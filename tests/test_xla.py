@@ -586,9 +586,11 @@ def test_lstm_forward_alone_ignores_inputs_past_the_lengths(direction, T, lanes,
   """An LSTM's forward alone with `seq_lengths` runs its cell state on
   unmasked past each sequence's end, and keeps the state at its last valid
   step beside it (`_xla._carries_last_cells`), step by step, in chunks and in
-  lanes: inputs past the ends of NaN or inf change no bit of the outputs and
-  final states (the outputs there are zeros), which are the reference's; a
-  sequence of length 0 keeps its initial states exactly."""
+  lanes: its outputs (zeros past the ends) and final states are the
+  reference's, a sequence of length 0 keeps its initial states exactly, and
+  inputs past the ends of NaN or inf change no bit (`_reference.rnn` zeroes
+  them, `test_inputs_past_the_lengths_reach_no_gradient`). Returning the
+  running state instead of the kept one fails every case."""
   monkeypatch.setattr(_lanes, "forward_lanes", lambda *args: lanes)
   spec = jcr.CudnnLSTM(2, 4, 5, direction=direction, dtype=jnp.float64)
   x, h, c = (jnp.asarray(a) for a in random_inputs(spec, T, 4, seed=7))
