@@ -105,6 +105,11 @@ def _reverse_in_time(x: jax.Array, seq_lengths: jax.Array | None) -> jax.Array:
   return jnp.take_along_axis(x, index, axis=0)
 
 
+def valid_steps(steps, seq_lengths: jax.Array) -> jax.Array:
+  """The `[T, B]` mask of the steps within each sequence's length."""
+  return jnp.arange(steps, dtype=jnp.int32)[:, None] < seq_lengths[None, :]
+
+
 def _cell(rnn_mode: str, xp, rec, h, c):
   """One step for all directions: `xp`, `rec` are `[D, B, g*H]` pre-activations."""
   if rnn_mode == "lstm":
@@ -255,7 +260,7 @@ def _run_layer(spec, x, h0, c0, blocks, layer, seq_lengths, recurrence=_recurren
   xs = (x,) if D == 1 else (x, _reverse_in_time(x, seq_lengths))
   valid = None
   if seq_lengths is not None:
-    valid = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None] < seq_lengths[None, :]
+    valid = valid_steps(x.shape[0], seq_lengths)
   has_c = c0 is not None
   ys, hs, cs = recurrence(spec.rnn_mode, xs, valid, tuple(h0[d] for d in range(D)),
                           tuple(c0[d] for d in range(D)) if has_c else None,
@@ -297,8 +302,7 @@ def rnn(spec, x, h0, c0, params, *, seq_lengths=None, dropout_key=None,
     # would: the weights' gradient sums `x^T du` over every step, where a
     # NaN or inf of padding times its zero cotangent is NaN. Zeroed, padding
     # reaches neither values nor gradients (whose part for it is zero).
-    past = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None] >= seq_lengths[None, :]
-    x = jnp.where(past[..., None], jnp.zeros((), x.dtype), x)
+    x = jnp.where(valid_steps(x.shape[0], seq_lengths)[..., None], x, jnp.zeros((), x.dtype))
   D = spec.num_dirs
   blocks = param_blocks(spec, params)
   hs, cs = [], []

@@ -100,6 +100,18 @@ def same_under(setting, loose, strict, derivatives):
   return got
 
 
+def padding_changes_nothing(run, x, past, *args):
+  """`run(x, *args)` with zeros where `past` (`[T, B]`, in `x`'s layout: the
+  steps past each sequence's length), checked equal bit for bit, leaf by
+  leaf, to it with NaN and with inf there; returns the zero-padded result."""
+  padded = lambda value: jax.numpy.where(past[..., None], value, x)
+  zeros = run(padded(0.0), *args)
+  for value in (np.nan, np.inf):
+    for got, want in zip(jax.tree.leaves(run(padded(value), *args)), jax.tree.leaves(zeros)):
+      np.testing.assert_array_equal(got, want)
+  return zeros
+
+
 def random_inputs(spec, T, B, seed=1):
   rng = np.random.default_rng(seed)
   S = spec.num_layers * (2 if spec.direction == "bidirectional" else 1)
