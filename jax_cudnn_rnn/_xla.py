@@ -308,7 +308,7 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   if coefficients:
     chunk = _chunks.derivative_chunk(mode, xs, h0, R)
   else:
-    chunk = _chunks.chunk_steps(steps, _chunks.inference_chunk(mode, steps, lanes))
+    chunk = _chunks.forward_chunk(mode, xs, W, R, lanes)
   last_cells = _carries_last_cells(mode, valid, coefficients)
   if last_cells:
     c0 = tuple((c, c) for c in c0)

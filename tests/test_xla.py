@@ -219,6 +219,61 @@ def test_derivative_chunk_rule(monkeypatch):
   assert _derivative_chunk("lstm", 64, 32, 128) == 4
 
 
+def _forward_chunk(mode, T, I, H, *, lanes=1, directions=1, skip_input=False):
+  """`_chunks.forward_chunk` for a layer of `mode` with these sizes, as
+  `_xla._forward` sees it (its batch, which the rule does not read, 16)."""
+  g = _xla._spec.NUM_GATES[mode]
+  S = jax.ShapeDtypeStruct
+  xs = (S((T, 16, I), jnp.float32),) * directions
+  W = None if skip_input else (S((I, g * H), jnp.float32),) * directions
+  R = (S((H, g * H), jnp.float32),) * directions
+  return _chunks.forward_chunk(mode, xs, W, R, lanes)
+
+
+@pytest.mark.usefixtures("cpu_host")
+def test_forward_chunk_rule(monkeypatch):
+  """On a CPU, an LSTM's forward alone in one lane goes step by step where its
+  recurrent matrix has 32-64 Ki elements (H91-H128) and its input matrix at most
+  64 Ki (I up to 128 at H128), either direction, with or without an input
+  matrix; else in the chunks `chunk_steps` gives (`_chunks.forward_chunk`)."""
+  steps = [("lstm", 50, 64, 128), ("lstm", 32, 128, 128), ("lstm", 256, 8, 91),
+           ("lstm", 64, 170, 96)]
+  chunked = [("lstm", 50, 129, 128), ("lstm", 50, 64, 129), ("lstm", 50, 64, 90),
+             ("lstm", 50, 256, 128), ("gru", 50, 64, 128), ("rnn_tanh", 50, 64, 128),
+             ("rnn_relu", 50, 64, 128)]
+  assert [_forward_chunk(*case) for case in steps] == [1] * len(steps)
+  assert [_forward_chunk(*case) for case in chunked] == [10] * len(chunked)
+  assert _forward_chunk("lstm", 50, 64, 128, directions=2) == 1
+  assert _forward_chunk("lstm", 50, 128, 128, skip_input=True) == 1
+  assert _forward_chunk("lstm", 50, 64, 128, lanes=2) == 10  # lanes: chunks near 16
+  assert _forward_chunk("lstm", 64, 64, 128, lanes=2) == 16
+  assert _forward_chunk("lstm", 256, 64, 64) == 8  # below the window, chunks near 8
+  assert _forward_chunk("gru", 256, 64, 128) == 16  # a GRU's long forward, chunks near 16
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert _forward_chunk("lstm", 50, 64, 128) == 10
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("direction", ["unidirectional", "bidirectional"])
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_lstm_forward_in_the_step_window_runs_step_by_step(direction, with_lengths):
+  """An LSTM H96 (36 Ki elements of `R`) over 40 steps: its forward alone is a
+  scan of 40 steps, not 5 chunks of 8, and its outputs and final states are
+  the reference's, with and without `seq_lengths`; its derivative's forward
+  keeps chunks of 4. Float32 (the rule counts elements), compared at float32's
+  rounding."""
+  spec = jcr.CudnnLSTM(1, 96, 8, direction=direction)
+  x, h, c = (jnp.asarray(a) for a in random_inputs(spec, 40, 3))
+  params = spec.init_params(jax.random.key(2))
+  lengths = jnp.array([40, 17, 0], jnp.int32) if with_lengths else None
+  run = lambda rnn, x: rnn(spec, x, h, c, params, seq_lengths=lengths)
+  assert _scan_lengths(jax.make_jaxpr(lambda x: run(_xla.rnn, x)[0])(x)) == [40]
+  grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(run(_xla.rnn, x)[0])))(x)
+  assert min(_scan_lengths(grad)) == 10, _scan_lengths(grad)  # 10 chunks of 4
+  for a, b in zip(jax.jit(lambda x: run(_xla.rnn, x))(x), run(_reference.rnn, x)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.usefixtures("cpu_host")
 @pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
 def test_derivative_of_a_small_matrix_over_many_sequences_runs_step_by_step(cls):
