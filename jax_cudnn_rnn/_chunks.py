@@ -100,10 +100,11 @@ def inference_chunk(mode: str, steps, lanes: int = 1) -> int:
 # projection (`[160, 64] x [64, 512]`) over the thread pool, whose worker,
 # asleep since the last chunk, took about 70 us to start while the loop's
 # thread waited; it splits none of the per-step products of that size
-# (`[16, 64] x [64, 512]`, `[16, 128] x [128, 512]`), which then run at the
-# chunk's rate, so a step by step loop, whose 8 operations XLA:CPU also runs
-# on one thread without its concurrent executor, spent less (2.13 against
-# 2.48 ms in the loop; 5 against 9 voluntary context switches a call).
+# (`[16, 64] x [64, 512]`, `[16, 128] x [128, 512]`), each of which took about
+# a tenth of the chunk's projection, so a step by step loop, whose 8
+# operations XLA:CPU also runs on one thread without its concurrent executor,
+# spent less (2.13 against 2.48 ms in the loop; 5 against 9 voluntary context
+# switches a call).
 # Forward, float32, interleaved in one process, ms, chunks -> step by step
 # (two processes where two figures; benchmarks/NOTES.md, session 68): B16 T50
 # I64 H128 3.47 -> 2.90, 3.18 -> 2.73; with seq_lengths 3.12 -> 2.69, 3.18 ->
@@ -123,9 +124,9 @@ def inference_chunk(mode: str, steps, lanes: int = 1) -> int:
 # for the GRU, whose chunk projection (`[160, 64] x [64, 384]`) YNNPACK does not
 # split (B16 T50 I64 H128 2.25 -> 2.20, B64 T32 5.00 -> 4.92); in lanes by
 # batch it went both ways (LSTM B64 T32 I64 H128 5.86 -> 6.58, B32 T100 I128
-# H128 12.95 -> 12.30), so lanes keep their chunks. Which products YNNPACK splits is its own choice (at jax 0.10.2, for
-# 512 columns: from 144 rows at up to 128 deep, from 96 at 192, at any at 256),
-# free to change.
+# H128 12.95 -> 12.30), so lanes keep their chunks. Which products YNNPACK
+# splits is its own choice (at jax 0.10.2, for 512 columns: from 144 rows at up
+# to 128 deep, from 96 at 192, at any at 256), free to change.
 STEP_FORWARD_WEIGHTS = (32 * 1024, 64 * 1024)  # elements of R, both included
 STEP_FORWARD_MAX_INPUT_WEIGHTS = 64 * 1024  # elements of W
 STEP_FORWARD_MODES = frozenset({"lstm"})

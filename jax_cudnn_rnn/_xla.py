@@ -304,7 +304,6 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   # Pins the prepared weights and biases, so that XLA hoists their slicing
   # (and transposes) out of a loop around this call (the module docstring).
   W, R, bW, bR = jax.lax.optimization_barrier((W, R, bW, bR))
-  steps = xs[0].shape[0]
   if coefficients:
     chunk = _chunks.derivative_chunk(mode, xs, h0, R)
   else:
