@@ -260,8 +260,7 @@ def test_lstm_forward_in_the_step_window_runs_step_by_step(direction, with_lengt
   """An LSTM H96 (36 Ki elements of `R`) over 40 steps: its forward alone is a
   scan of 40 steps, not 5 chunks of 8, and its outputs and final states are
   the reference's, with and without `seq_lengths`; its derivative's forward
-  keeps chunks of 4. Float32 (the rule counts elements), compared at float32's
-  rounding."""
+  keeps chunks of 4. Compared at float32's rounding."""
   spec = jcr.CudnnLSTM(1, 96, 8, direction=direction)
   x, h, c = (jnp.asarray(a) for a in random_inputs(spec, 40, 3))
   params = spec.init_params(jax.random.key(2))
