@@ -9,11 +9,11 @@ Compiling takes about twice as long (the unrolled steps), so sequences shorter
 than `MIN_CHUNKED_STEPS` (32), and numbers of steps with no divisor in [4, 16],
 run step by step, as the reference does. The chunks are near 8 steps for the
 forward alone (`INFERENCE_CHUNK`; near 16 for a GRU's from 64 steps on, and for
-the other cells' in lanes, `inference_chunk`; step by step for an LSTM's in
-one lane with small matrices, `forward_chunk`) and near 4 for the forward of the
-derivative (`DERIVATIVE_CHUNK`, training; step by step for a small matrix over
-many sequences, `derivative_chunk`): there the forward is a smaller part
-of the work, and chunks of 4 measured as fast as chunks of 8-10 in
+the other cells' in lanes, `inference_chunk`; step by step for an LSTM's or
+a GRU's in one lane with small matrices, `forward_chunk`) and near 4 for the
+forward of the derivative (`DERIVATIVE_CHUNK`, training; step by step for a
+small matrix over many sequences, `derivative_chunk`): there the forward is a
+smaller part of the work, and chunks of 4 measured as fast as chunks of 8-10 in
 forward+backward (ms: LSTM B32 T100 I256 H256 2 bidirectional layers 307 vs
 305, step by step 327; GRU, same shape, 378 vs 378; LSTM B16 T256 I128 H256 106
 vs 108; GRU, same shape, 96 vs 94; LSTM B64 T32 I128 H256 31 vs 33; the
@@ -93,43 +93,48 @@ def inference_chunk(mode: str, steps, lanes: int = 1) -> int:
   return LONG_CHUNK if lanes > 1 else INFERENCE_CHUNK
 
 
-# The forward alone of an LSTM in one lane goes step by step where its
-# recurrent matrix has 32-64 Ki elements (H91-H128) and its input matrix at
-# most 64 Ki (I x 4H: I up to 128 at H128). There the chunks lost. Traced on a
-# 2-core Xeon (jax 0.10.2, LSTM B16 T50 I64 H128): YNNPACK splits a chunk's
-# projection (`[160, 64] x [64, 512]`) over the thread pool, whose worker,
-# asleep since the last chunk, took about 70 us to start while the loop's
-# thread waited; it splits none of the per-step products of that size
-# (`[16, 64] x [64, 512]`, `[16, 128] x [128, 512]`), each of which took about
-# a tenth of the chunk's projection, so a step by step loop, whose 8
-# operations XLA:CPU also runs on one thread without its concurrent executor,
-# spent less (2.13 against 2.48 ms in the loop; 5 against 9 voluntary context
-# switches a call).
-# Forward, float32, interleaved in one process, ms, chunks -> step by step
-# (two processes where two figures; benchmarks/NOTES.md, session 68): B16 T50
-# I64 H128 3.47 -> 2.90, 3.18 -> 2.73; with seq_lengths 3.12 -> 2.69, 3.18 ->
-# 2.72; bidirectional 6.40 -> 5.74; two layers 7.52 -> 6.51; bfloat16 3.83 ->
-# 3.64; B24 T64 5.04 -> 4.68, 5.28 -> 4.77; B31 T40 I100 H112 5.11 -> 4.21,
-# 5.19 -> 4.12; B16 T256 I128 15.61 -> 15.04, 15.84 -> 15.21; B16 T32 2.11 ->
-# 2.01, 2.10 -> 1.98; B12 T48 2.32 -> 2.20, 2.29 -> 2.16; B8 T100 I128 3.62
-# -> 3.37, 3.61 -> 3.40; H96 B24 T64 3.79 -> 3.61, 3.31 -> 3.24; even at B4
-# T64 (1.05 -> 1.06, 1.20 -> 1.20), B8 T32 (1.26 -> 1.24) and bidirectional
-# I128 (7.43 -> 6.98, 7.10 -> 7.11). On one core (`taskset -c 0`) too: B16
-# T50 2.62 -> 2.44, B8 T32 0.73 -> 0.69. Outside the window step by step lost
-# where a step's own products are split too: I256 H128 (`[16, 256] x [256,
-# 512]`) B16 T100 11.1 -> 13.4; H160 B16 T64 3.89 -> 5.95; two bidirectional
-# layers B16 T50 I64 H128 (the second's input 256 wide) 14.4 -> 19.0 (with
-# the rule, which keeps the second layer's chunks, 16.1 -> 15.8). It gained
-# nothing at H64 (B16 T64 I32 1.27 -> 1.29) or I192 H128 (4.65 -> 4.60), nor
-# for the GRU, whose chunk projection (`[160, 64] x [64, 384]`) YNNPACK does not
-# split (B16 T50 I64 H128 2.25 -> 2.20, B64 T32 5.00 -> 4.92); in lanes by
-# batch it went both ways (LSTM B64 T32 I64 H128 5.86 -> 6.58, B32 T100 I128
-# H128 12.95 -> 12.30), so lanes keep their chunks. Which products YNNPACK
-# splits is its own choice (at jax 0.10.2, for 512 columns: from 144 rows at up
-# to 128 deep, from 96 at 192, at any at 256), free to change.
+# The forward alone of an LSTM or a GRU in one lane goes step by step where its
+# recurrent matrix has 32-64 Ki elements (LSTM H91-H128, GRU H105-H147) and its
+# input matrix at most 64 Ki (I x gH: I up to 128 at an LSTM's H128, 170 at a
+# GRU's). There the chunks lost. Traced on a 2-core Xeon (jax 0.10.2, LSTM B16
+# T50 I64 H128): YNNPACK splits a chunk's projection (`[160, 64] x [64, 512]`)
+# over the thread pool, whose worker, asleep since the last chunk, took about
+# 70 us to start while the loop's thread waited; it splits none of the per-step
+# products of that size (`[16, 64] x [64, 512]`, `[16, 128] x [128, 512]`),
+# each of which took about a tenth of the chunk's projection, so a step by step
+# loop, whose 8 operations XLA:CPU also runs on one thread without its
+# concurrent executor, spent less (2.13 against 2.48 ms in the loop; 5 against
+# 9 voluntary context switches a call). Forward, float32, interleaved in one
+# process, ms, chunks -> step by step (two processes where two figures;
+# benchmarks/NOTES.md, session 68): B16 T50 I64 H128 3.47 -> 2.90, 3.18 ->
+# 2.73; with seq_lengths 3.12 -> 2.69, 3.18 -> 2.72; bidirectional 6.40 ->
+# 5.74; two layers 7.52 -> 6.51; bfloat16 3.83 -> 3.64; B24 T64 5.04 -> 4.68,
+# 5.28 -> 4.77; B31 T40 I100 H112 5.11 -> 4.21, 5.19 -> 4.12; B16 T256 I128
+# 15.61 -> 15.04, 15.84 -> 15.21; B16 T32 2.11 -> 2.01, 2.10 -> 1.98; B12 T48
+# 2.32 -> 2.20, 2.29 -> 2.16; B8 T100 I128 3.62 -> 3.37, 3.61 -> 3.40; H96 B24
+# T64 3.79 -> 3.61, 3.31 -> 3.24; even at B4 T64 (1.05 -> 1.06, 1.20 -> 1.20),
+# B8 T32 (1.26 -> 1.24) and bidirectional I128 (7.43 -> 6.98, 7.10 -> 7.11). On
+# one core (`taskset -c 0`) too: B16 T50 2.62 -> 2.44, B8 T32 0.73 -> 0.69.
+# Outside the window step by step lost where a step's own products are split
+# too: I256 H128 (`[16, 256] x [256, 512]`) B16 T100 11.1 -> 13.4; H160 B16 T64
+# 3.89 -> 5.95; two bidirectional layers B16 T50 I64 H128 (the second's input
+# 256 wide) 14.4 -> 19.0 (with the rule, which keeps the second layer's chunks,
+# 16.1 -> 15.8). It gained nothing at H64 (B16 T64 I32 1.27 -> 1.29) or I192
+# H128 (4.65 -> 4.60); in lanes by batch it went both ways (LSTM B64 T32 I64
+# H128 5.86 -> 6.58, B32 T100 I128 H128 12.95 -> 12.30), so lanes keep their
+# chunks. The GRU's forward, one lane, the same way: B16 T50 I128 H128 3.31 ->
+# 2.80 (its `[160, 128] x [128, 384]` projection split), with seq_lengths 3.00
+# -> 2.69, bidirectional 6.29 -> 5.79; B24 T64 I128 6.14 -> 5.07; B31 T40 I100
+# H112 3.43 -> 3.19; B16 T64 I170 4.04 -> 3.71; B32 T100 I128 10.23 -> 9.91;
+# B16 T256 I128 12.34 -> 12.09; B8 T32 I64 0.99 -> 0.95; B16 T50 I64 2.20 ->
+# 2.11 and 2.25 -> 2.20 (that projection, `[160, 64] x [64, 384]`, is not
+# split); bfloat16 B16 T50 I128 3.90 -> 3.92; H160 (outside) B16 T50 I64 3.85
+# -> 3.67. Which products YNNPACK splits is its own choice (at jax 0.10.2, for
+# 512 columns: from 144 rows at up to 128 deep, from 96 at 192, at any at 256),
+# free to change.
 STEP_FORWARD_WEIGHTS = (32 * 1024, 64 * 1024)  # elements of R, both included
 STEP_FORWARD_MAX_INPUT_WEIGHTS = 64 * 1024  # elements of W
-STEP_FORWARD_MODES = frozenset({"lstm"})
+STEP_FORWARD_MODES = frozenset({"lstm", "gru"})
 
 
 def forward_chunk(mode: str, xs, W, R, lanes: int = 1) -> int:

@@ -232,15 +232,18 @@ def _forward_chunk(mode, T, I, H, *, lanes=1, directions=1, skip_input=False):
 
 @pytest.mark.usefixtures("cpu_host")
 def test_forward_chunk_rule(monkeypatch):
-  """On a CPU, an LSTM's forward alone in one lane goes step by step where its
-  recurrent matrix has 32-64 Ki elements (H91-H128) and its input matrix at most
-  64 Ki (I up to 128 at H128), either direction, with or without an input
-  matrix; else in the chunks `chunk_steps` gives (`_chunks.forward_chunk`)."""
+  """On a CPU, an LSTM's or a GRU's forward alone in one lane goes step by step
+  where its recurrent matrix has 32-64 Ki elements (LSTM H91-H128, GRU
+  H105-H147) and its input matrix at most 64 Ki (I up to 128 at an LSTM's H128,
+  170 at a GRU's), either direction, with or without an input matrix; else in
+  the chunks `chunk_steps` gives (`_chunks.forward_chunk`)."""
   steps = [("lstm", 50, 64, 128), ("lstm", 32, 128, 128), ("lstm", 256, 8, 91),
-           ("lstm", 64, 170, 96)]
+           ("lstm", 64, 170, 96), ("gru", 50, 64, 128), ("gru", 50, 170, 128),
+           ("gru", 50, 8, 105), ("gru", 50, 8, 147)]
   chunked = [("lstm", 50, 129, 128), ("lstm", 50, 64, 129), ("lstm", 50, 64, 90),
-             ("lstm", 50, 256, 128), ("gru", 50, 64, 128), ("rnn_tanh", 50, 64, 128),
-             ("rnn_relu", 50, 64, 128)]
+             ("lstm", 50, 256, 128), ("gru", 50, 171, 128), ("gru", 50, 8, 104),
+             ("gru", 50, 8, 148), ("rnn_tanh", 50, 64, 128), ("rnn_tanh", 50, 64, 200),
+             ("rnn_relu", 50, 64, 200)]
   assert [_forward_chunk(*case) for case in steps] == [1] * len(steps)
   assert [_forward_chunk(*case) for case in chunked] == [10] * len(chunked)
   assert _forward_chunk("lstm", 50, 64, 128, directions=2) == 1
@@ -248,21 +251,22 @@ def test_forward_chunk_rule(monkeypatch):
   assert _forward_chunk("lstm", 50, 64, 128, lanes=2) == 10  # lanes: chunks near 16
   assert _forward_chunk("lstm", 64, 64, 128, lanes=2) == 16
   assert _forward_chunk("lstm", 256, 64, 64) == 8  # below the window, chunks near 8
-  assert _forward_chunk("gru", 256, 64, 128) == 16  # a GRU's long forward, chunks near 16
+  assert _forward_chunk("gru", 256, 64, 96) == 16  # a GRU's long forward, chunks near 16
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert _forward_chunk("lstm", 50, 64, 128) == 10
 
 
 @pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("cls,hidden", [(jcr.CudnnLSTM, 96), (jcr.CudnnGRU, 112)])
 @pytest.mark.parametrize("direction", ["unidirectional", "bidirectional"])
 @pytest.mark.parametrize("with_lengths", [False, True])
-def test_lstm_forward_in_the_step_window_runs_step_by_step(direction, with_lengths):
-  """An LSTM H96 (36 Ki elements of `R`) over 40 steps: its forward alone is a
-  scan of 40 steps, not 5 chunks of 8, and its outputs and final states are
-  the reference's, with and without `seq_lengths`; its derivative's forward
-  keeps chunks of 4. Compared at float32's rounding."""
-  spec = jcr.CudnnLSTM(1, 96, 8, direction=direction)
-  x, h, c = (jnp.asarray(a) for a in random_inputs(spec, 40, 3))
+def test_forward_in_the_step_window_runs_step_by_step(cls, hidden, direction, with_lengths):
+  """An LSTM H96 and a GRU H112 (36 and 37 Ki elements of `R`) over 40 steps:
+  the forward alone is a scan of 40 steps, not 5 chunks of 8, and its outputs
+  and final states are the reference's, with and without `seq_lengths`; the
+  derivative's forward keeps chunks of 4. Compared at float32's rounding."""
+  spec = cls(1, hidden, 8, direction=direction)
+  x, h, c = (None if a is None else jnp.asarray(a) for a in random_inputs(spec, 40, 3))
   params = spec.init_params(jax.random.key(2))
   lengths = jnp.array([40, 17, 0], jnp.int32) if with_lengths else None
   run = lambda rnn, x: rnn(spec, x, h, c, params, seq_lengths=lengths)
@@ -270,7 +274,9 @@ def test_lstm_forward_in_the_step_window_runs_step_by_step(direction, with_lengt
   grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(run(_xla.rnn, x)[0])))(x)
   assert min(_scan_lengths(grad)) == 10, _scan_lengths(grad)  # 10 chunks of 4
   for a, b in zip(jax.jit(lambda x: run(_xla.rnn, x))(x), run(_reference.rnn, x)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert (a is None) == (b is None)  # a GRU has no cell state
+    if b is not None:
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.usefixtures("cpu_host")
