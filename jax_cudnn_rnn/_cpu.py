@@ -10,6 +10,12 @@ than on the AMX Xeon. This module reads the CPU's feature flags once; on a
 system without /proc/cpuinfo they are unknown, and the rules that need them
 keep the choice made before them.
 
+Whether bfloat16 products are quicker than float32 ones at all depends on
+the CPU too (`bfloat16_products_fast`): they were on those two kinds, and
+slower on a Zen 3 (neither) and on a Xeon whose virtual machine shows
+AVX512-BF16 but not AMX (benchmarks/NOTES.md, session 69). Where they are
+slower, `_rounded_dot` multiplies the rounded operands in float32.
+
 It also reads the size of a core's L2 cache, which bounds where a float32
 forward runs in lanes from 8 sequences (`_lanes.LANE_L2_MULTIPLE`): measured on
 a 2-core Zen 3 (512 KiB of L2 a core), whose lanes by batch lost at an LSTM's
@@ -32,14 +38,31 @@ CACHES = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")
 def flags() -> frozenset[str] | None:
   """The first CPU's feature flags (Linux's /proc/cpuinfo), or None where
   they cannot be read."""
+  value = _cpuinfo_field(("flags", "Features"))
+  return None if value is None else frozenset(value.split())
+
+
+@functools.cache
+def vendor() -> str | None:
+  """The first CPU's vendor as /proc/cpuinfo names it ("GenuineIntel",
+  "AuthenticAMD"), or None where it cannot be read (or names none: an Arm)."""
+  value = _cpuinfo_field(("vendor_id",))
+  if value is None:
+    return None
+  return value.strip() or None
+
+
+def _cpuinfo_field(keys: tuple[str, ...]) -> str | None:
+  """The value of the first of /proc/cpuinfo's lines whose key is one of
+  `keys`, or None where there is none or the file cannot be read."""
   try:
     text = CPUINFO.read_text()
   except OSError:
     return None
   for line in text.splitlines():
     key, _, value = line.partition(":")
-    if key.strip() in ("flags", "Features"):
-      return frozenset(value.split())
+    if key.strip() in keys:
+      return value
   return None
 
 
@@ -54,6 +77,25 @@ def bfloat16_products() -> str | None:
   if "amx_bf16" in f:
     return "amx"
   return "avx512_bf16" if "avx512_bf16" in f else None
+
+
+X86_VENDORS = ("GenuineIntel", "AuthenticAMD")
+
+
+def bfloat16_products_fast() -> bool | None:
+  """Whether this CPU multiplies bfloat16 operands faster than float32 ones,
+  as measured (XLA:CPU's products, jax 0.10.2): True with AMX (the AMX Xeon)
+  or with AVX512-BF16 on an AMD CPU (Zen 4, Zen 5); False on an x86 CPU
+  otherwise: with neither (a Zen 3, whose bfloat16 LSTM ran at 0.60-0.90x
+  of its float32 one), or with AVX512-BF16 on an Intel CPU without AMX (a
+  Xeon whose virtual machine hides AMX: its bfloat16 products took 1.3-1.8x
+  as long as float32 ones, from `[16, 64] x [64, 512]` to `[512, 256] x
+  [256, 1024]`; benchmarks/NOTES.md, session 69). None where not measured
+  (not x86) or unknown (no flags)."""
+  kind, f = bfloat16_products(), flags()
+  if f is None or vendor() not in X86_VENDORS:
+    return None
+  return kind == "amx" or (kind == "avx512_bf16" and vendor() == "AuthenticAMD")
 
 
 @functools.cache

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cudnn_rnn import _chunks, _cpu
+from jax_cudnn_rnn import _chunks, _cpu, _rounded_dot
 
 # XLA:CPU splits each of the loop's small per-step products over its threads
 # and waits for them, and on a 2-core Xeon (AMX) that gained almost nothing:
@@ -242,6 +242,13 @@ BFLOAT16_UNIT_LANE_MODES = frozenset({"lstm", "gru"})
 # H224 B32 7.08 / 4.32, 5.00 / 6.27 (and 4.58 / 6.57); T32 I64 H216 B24 3.76
 # / 3.24, 2.07 / 2.27. At B16 it lost there too (LSTM H192 B16 T128 6.52 /
 # 7.40, GRU H240 B8 T256 8.70 / 10.49).
+# Where a CPU multiplies the rounded bfloat16 operands in float32
+# (`_rounded_dot.float32_products`: the Xeon without AMX, session 69), the
+# window above kept its gains and this narrower one lost them (forward, ms,
+# one lane / by batch / by unit, forced): LSTM B16 T256 I128 H256 37.7 / 44.8
+# / 31.6, B64 T32 I128 H256 15.0 / 17.7 / 13.6, GRU B16 T256 I128 H256 34.1 /
+# 38.8 / 22.9; but LSTM B32 T32 I64 H192 5.60 / 5.83 / 7.56, GRU B32 T64 I128
+# H224 9.56 / 9.06 / 12.06. There it takes the window above only.
 BFLOAT16_NARROW_UNIT_LANE_BYTES = 256 * 1024  # of R in bfloat16, included
 BFLOAT16_NARROW_UNIT_LANE_BATCH = {"avx512_bf16": (24, 112), "amx": (48, 112)}  # both included
 
@@ -273,8 +280,9 @@ def forward_lanes(mode, operands, xs, R) -> str | None:
       return None
     low, high = BFLOAT16_UNIT_LANE_BYTES
     fewest, most = BFLOAT16_NARROW_UNIT_LANE_BATCH[kind]
+    narrow = not _rounded_dot.float32_products(products)
     window = (low <= nbytes <= high and batch >= LANES) or (
-        BFLOAT16_NARROW_UNIT_LANE_BYTES <= nbytes < low and fewest <= batch <= most)
+        narrow and BFLOAT16_NARROW_UNIT_LANE_BYTES <= nbytes < low and fewest <= batch <= most)
     return "units" if window else None
   units = nbytes >= UNIT_LANE_MIN_BYTES.get(mode, np.inf)
   if batch >= LANE_MIN_BATCH:

@@ -26,6 +26,17 @@ multiplies the cotangent and the weights (or the layer's inputs and states)
 rounded to bfloat16, and accumulates in float32, as tensor-core matmuls take
 them; everything element-wise stays float32.
 
+Where it multiplies. On a CPU whose bfloat16 products are slower than
+float32 ones (`_cpu.bfloat16_products_fast` False: a Zen 3, a Xeon without
+AMX), the operands rounded to bfloat16 are widened back to float32 and
+multiplied there (`float32_products`). The product of two bfloat16 values is
+exact in float32, so the result is the same but for the order of the float32
+sums, which no kernel promises anyway. On that Xeon, float32 model-for-model
+(interleaved, ms): the bfloat16 LSTM B16 T50 I64 H128 forward 3.76 -> 2.61,
+forward+backward 9.67 -> 7.62; B16 T256 I128 H256 42.1 -> 32.9, 168 -> 138;
+the GRU B16 T50 3.0 -> 2.1, 7.9 -> 6.4 (benchmarks/NOTES.md, session 69).
+XLA moves the widening of a weight matrix out of the loop that reads it.
+
 A file DESIGN's layout does not list (nor `_xla`, whose docstring says why
 it exists): it holds one idea, a JAX primitive with its own abstract
 evaluation, lowering, differentiation and batching rules, which knows
@@ -39,9 +50,12 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+
+from jax_cudnn_rnn import _cpu
 
 rounded_dot_p = Primitive("jcr_rounded_dot")
 
@@ -106,9 +120,31 @@ def _abstract_eval(a, b, **params):
   return a.update(shape=out.shape, dtype=out.dtype, sharding=out.sharding, weak_type=False)
 
 
+def _impl_in_float32(a, b, *, dimension_numbers, operands, result, out_sharding):
+  """`_impl` with the rounded operands widened back to float32 and multiplied
+  there: the same products (exact in float32), summed in float32."""
+  widen = lambda v: v.astype(operands).astype(np.float32)
+  out = jax.lax.dot_general(widen(a), widen(b), dimension_numbers,
+                            preferred_element_type=np.float32, out_sharding=out_sharding)
+  return jax.lax.optimization_barrier(out.astype(result))
+
+
+def float32_products(operands) -> bool:
+  """Whether a CPU lowering multiplies operands rounded to `operands` in
+  float32 (the module docstring): for bfloat16 where this CPU's bfloat16
+  products are slower than float32 ones (`_cpu.bfloat16_products_fast`)."""
+  return np.dtype(operands) == np.dtype(jnp.bfloat16) and _cpu.bfloat16_products_fast() is False
+
+
+def _cpu_lowering(ctx, a, b, **params):
+  impl = _impl_in_float32 if float32_products(params["operands"]) else _impl
+  return mlir.lower_fun(impl, multiple_results=False)(ctx, a, b, **params)
+
+
 rounded_dot_p.def_impl(_impl)
 rounded_dot_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(rounded_dot_p, mlir.lower_fun(_impl, multiple_results=False))
+mlir.register_lowering(rounded_dot_p, _cpu_lowering, platform="cpu")
 
 
 # -- transposes ------------------------------------------------------------------------

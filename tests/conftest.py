@@ -22,6 +22,9 @@ suite (`test_xla.py`, session 49), a file that passes alone; every compiled
 program keeps its code mapped, and a process may hold 65530 mappings
 (`vm.max_map_count`), a likely cause, not confirmed.
 
+`products` (for the tests of bfloat16 models' products): either of the CPU
+lowerings of `_rounded_dot`, whatever the host's.
+
 `sizes` (for the test files that lower the cuDNN path on this CPU): cuDNN
 said to be available, with the handler model's sizes and the analytic layout
 (`handler_model.py`); the FFI calls themselves are left alone (they can be
@@ -31,7 +34,7 @@ lowered, not run).
 import jax
 import pytest
 
-from jax_cudnn_rnn import _ops
+from jax_cudnn_rnn import _cpu, _ops
 from handler_model import HandlerModel
 
 jax.config.update("jax_enable_x64", True)
@@ -57,3 +60,16 @@ def _fresh_jax_caches():
 def sizes(monkeypatch):
   """cuDNN said to be available, with the handler model's sizes (module doc)."""
   return HandlerModel().install(monkeypatch.setattr, handlers=False)
+
+
+@pytest.fixture(params=[True, False], ids=["bfloat16-products", "float32-products"])
+def products(request, monkeypatch):
+  """Either CPU lowering of `_rounded_dot`, whatever the host's: bfloat16
+  products (AMX, or AVX512-BF16 on AMD), or the rounded operands multiplied
+  in float32 (`_rounded_dot.float32_products`): "bfloat16" or "float32".
+  Compiled afresh each (JAX caches a primitive's compiled call by its
+  parameters, which do not name the lowering)."""
+  monkeypatch.setattr(_cpu, "bfloat16_products_fast", lambda: request.param)
+  jax.clear_caches()
+  yield "bfloat16" if request.param else "float32"
+  jax.clear_caches()

@@ -11,6 +11,7 @@ from jax_cudnn_rnn import _rounded_dot
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
+
 # name: (lhs shape, rhs shape, dimension numbers)
 CASES = {
     "matmul": ((3, 5, 7), (7, 4), (((2,), (0,)), ((), ()))),
@@ -40,6 +41,7 @@ def _dot(dims):
   return lambda a, b: _rounded_dot.rounded_dot(a, b, dims, operands=BF16, result=F32)
 
 
+@pytest.mark.usefixtures("products")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_value(case):
   a, b, dims = _operands(case)
@@ -51,6 +53,7 @@ def test_value(case):
   assert np.abs(np.asarray(got - exact)).max() > 1e-3
 
 
+@pytest.mark.usefixtures("products")
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_vjp_rounds_the_cotangent(case, jit):
@@ -121,3 +124,21 @@ def test_matmul_result_dtype():
   assert out.dtype == F32
   np.testing.assert_allclose(out, np.full((2, 4), 3 * float(b[0, 0])), rtol=1e-6)
   assert _rounded_dot.matmul(a, b, operands=BF16, result=BF16).dtype == BF16
+
+
+def test_cpu_lowering_multiplies_where_the_cpu_is_quick(products):
+  """On a CPU the product's operands are bfloat16 where bfloat16 products are
+  quick, else float32 (the rounded values widened back); its transposes' too.
+  Other rounding dtypes are left alone."""
+  a, b, dims = _operands("matmul")
+  f = lambda a, b: jnp.sum(_dot(dims)(a, b) ** 2)
+  text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(a, b).as_text()
+  operand = {"bfloat16": "bf16", "float32": "f32"}[products]
+  dots = [line for line in text.splitlines() if "dot_general" in line]
+  assert len(dots) == 3, dots  # the product and its two transposes
+  for line in dots:
+    inputs, output = line.rsplit(":", 1)[1].split("->")
+    assert inputs.count(f"x{operand}>") == 2 and output.strip().endswith("xf32>"), line
+  assert _rounded_dot.float32_products(BF16) == (products == "float32")
+  assert not _rounded_dot.float32_products(jnp.float16)
+  assert not _rounded_dot.float32_products(F32)

@@ -489,16 +489,23 @@ AMX = AVX512_BF16 | {"amx_tile", "amx_bf16"}  # a recent Xeon's
 
 
 @pytest.mark.usefixtures("cpu_host")
-@pytest.mark.parametrize("flags", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx"])
-def test_bfloat16_forward_lanes_rule(flags, monkeypatch):
+@pytest.mark.parametrize("flags,vendor", [(AVX512_BF16, "AuthenticAMD"), (AMX, "GenuineIntel"),
+                                          (AVX512_BF16, "GenuineIntel")],
+                         ids=["avx512_bf16", "amx", "avx512_bf16-intel"])
+def test_bfloat16_forward_lanes_rule(flags, vendor, monkeypatch):
   """bfloat16 products on a CPU with AVX512-BF16 (a Zen 5) or AMX (a Xeon):
   lanes by unit for an LSTM's or GRU's forward alone whose recurrent matrix
   has 384 KiB to 2 MiB in bfloat16 (LSTM H222-H512, GRU H256-H591), over 2
   sequences or more, and from 256 KiB (LSTM H182, GRU H210) over 24 (the Zen
   5) or 48 (AMX) to 112 sequences; over 32 steps or more, on a single CPU
   device; else one lane, as on a CPU with neither or whose flags are
-  unknown."""
+  unknown. An Intel CPU with AVX512-BF16 but no AMX multiplies the rounded
+  operands in float32 (`_rounded_dot.float32_products`), and there the
+  narrower window from 256 KiB runs in one lane."""
   monkeypatch.setattr(_cpu, "flags", lambda: flags)
+  monkeypatch.setattr(_cpu, "vendor", lambda: vendor)
+  float32_products = flags == AVX512_BF16 and vendor == "GenuineIntel"
+  assert _rounded_dot.float32_products(jnp.bfloat16) == float32_products
   lanes = lambda *case, directions=1: _lanes_of(*case, dtype=jnp.bfloat16, directions=directions)
   units = [("lstm", 16, 256, 256), ("lstm", 2, 32, 256), ("lstm", 256, 32, 256),
            ("lstm", 8, 128, 222), ("lstm", 16, 64, 512), ("gru", 16, 256, 256),
@@ -514,12 +521,12 @@ def test_bfloat16_forward_lanes_rule(flags, monkeypatch):
   narrow_one = [("lstm", 23, 32, 192), ("lstm", 113, 32, 192), ("lstm", 64, 32, 181),
                 ("gru", 64, 32, 209), ("gru", 16, 128, 224), ("gru", 128, 100, 224),
                 ("lstm", 64, 31, 192), ("rnn_tanh", 64, 32, 400)]
-  assert [lanes(*case) for case in narrow] == ["units"] * len(narrow)
+  assert [lanes(*case) for case in narrow] == [None if float32_products else "units"] * len(narrow)
   assert [lanes(*case) for case in narrow_one] == [None] * len(narrow_one)
   from_24 = [("lstm", 24, 32, 182), ("lstm", 47, 100, 221), ("gru", 24, 64, 210),
              ("gru", 32, 64, 224)]
   assert [lanes(*case) for case in from_24] == (
-      [None] * len(from_24) if flags == AMX else ["units"] * len(from_24))
+      [None] * len(from_24) if flags == AMX or float32_products else ["units"] * len(from_24))
   assert lanes("lstm", 64, 32, 192, directions=2) is None
   assert lanes("lstm", 16, 256, 256, directions=2) is None
   symbolic_batch, = jax.export.symbolic_shape("b")
@@ -603,6 +610,44 @@ def test_bfloat16_products_reads_the_cpu_flags(monkeypatch):
                       (None, None)):
     monkeypatch.setattr(_cpu, "flags", lambda: flags)
     assert _cpu.bfloat16_products() == kind, flags
+
+
+def test_bfloat16_products_fast_by_cpu(monkeypatch):
+  """Quick where measured so: AMX, or AVX512-BF16 on an AMD CPU; slow on
+  another x86 CPU (an Intel one without AMX, a Zen 3 with neither); unknown
+  off x86 or without flags."""
+  neither = frozenset({"avx2", "fma", "avx512f"})
+  for flags, vendor, fast in (
+      (AMX, "GenuineIntel", True), (AVX512_BF16, "AuthenticAMD", True),
+      (AVX512_BF16, "GenuineIntel", False), (neither, "AuthenticAMD", False),
+      (neither, "GenuineIntel", False), (frozenset({"fp", "asimd", "bf16"}), None, None),
+      (AVX512_BF16, "HygonGenuine", None), (None, "GenuineIntel", None)):
+    monkeypatch.setattr(_cpu, "flags", lambda: flags)
+    monkeypatch.setattr(_cpu, "vendor", lambda: vendor)
+    assert _cpu.bfloat16_products_fast() is fast, (flags, vendor)
+
+
+def test_vendor_and_flags_read_cpuinfo(monkeypatch, tmp_path):
+  """`_cpu.vendor` and `_cpu.flags` read /proc/cpuinfo's first CPU; None where
+  a field is missing or empty, or the file cannot be read."""
+  for text, vendor, flags in (
+      ("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 avx512_bf16\n\n"
+       "processor\t: 1\nvendor_id\t: AuthenticAMD\n", "GenuineIntel",
+       frozenset({"fpu", "avx2", "avx512_bf16"})),
+      ("processor\t: 0\nFeatures\t: fp asimd bf16\n", None, frozenset({"fp", "asimd", "bf16"})),
+      ("vendor_id\t: \n", None, None)):
+    path = tmp_path / f"cpuinfo{len(list(tmp_path.iterdir()))}"
+    path.write_text(text)
+    monkeypatch.setattr(_cpu, "CPUINFO", path)
+    _cpu.vendor.cache_clear()
+    _cpu.flags.cache_clear()
+    assert (_cpu.vendor(), _cpu.flags()) == (vendor, flags), text
+  monkeypatch.setattr(_cpu, "CPUINFO", tmp_path / "missing")
+  _cpu.vendor.cache_clear()
+  _cpu.flags.cache_clear()
+  assert (_cpu.vendor(), _cpu.flags()) == (None, None)
+  _cpu.vendor.cache_clear()  # the host's again for the tests after
+  _cpu.flags.cache_clear()
 
 
 @pytest.fixture
@@ -1051,6 +1096,7 @@ def _float32_layers(spec, params, x, h, c, lengths=None):
   return y
 
 
+@pytest.mark.usefixtures("products")
 @pytest.mark.parametrize("T", [6, 32], ids=["step-by-step", "chunked"])
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_bfloat16_rounds_only_the_matmul_operands(cls, T):
@@ -1060,7 +1106,8 @@ def test_bfloat16_rounds_only_the_matmul_operands(cls, T):
   accuracy (measured 1e-7). Without that rounding numpy differs by 4e-4 to
   9e-3, so this tells the two apart. (A state within float32 rounding of a
   bfloat16 midpoint could round the other way here than in numpy; these
-  inputs have none.)"""
+  inputs have none.) The same whether the CPU multiplies bfloat16 operands
+  or the rounded values in float32 (`products`)."""
   spec = cls(2, 8, 5, direction="bidirectional", dtype=jnp.bfloat16)
   weights, biases = random_canonical(spec)
   params = spec.canonical_to_params(weights, biases)
@@ -1149,6 +1196,7 @@ def test_bfloat16_opaque_products_round_as_the_transposed_ones(cls, T, B, monkey
   np.testing.assert_allclose(opaque, transposed, rtol=0, atol=1e-6)
 
 
+@pytest.mark.usefixtures("products")
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_bfloat16_gradients_match_reference(cls):
   """Gradients of a bfloat16 model (chunked forward, with lengths), against
@@ -1156,7 +1204,8 @@ def test_bfloat16_gradients_match_reference(cls):
   backward pass's products rounded too (`_rounded_dot`): 4e-4 to 4e-3 for
   LSTM, GRU and RNN-tanh (the reference itself is 2e-3 from float64 here);
   RNN-relu, whose states are unbounded, 1e-2 to 5e-2, which is what rounding
-  its states to bfloat16 at each of 64 matmuls costs."""
+  its states to bfloat16 at each of 64 matmuls costs. Either way the CPU
+  multiplies (`products`)."""
   spec = cls(2, 8, 5, direction="bidirectional", dtype=jnp.bfloat16)
   _assert_bfloat16_gradients_match_reference(spec, 32, jnp.array([32, 13, 0], jnp.int32))
 
