@@ -31,11 +31,13 @@ float32 ones (`_cpu.bfloat16_products_fast` False: a Zen 3, a Xeon without
 AMX), the operands rounded to bfloat16 are widened back to float32 and
 multiplied there (`float32_products`). The product of two bfloat16 values is
 exact in float32, so the result is the same but for the order of the float32
-sums, which no kernel promises anyway. On that Xeon, float32 model-for-model
-(interleaved, ms): the bfloat16 LSTM B16 T50 I64 H128 forward 3.76 -> 2.61,
-forward+backward 9.67 -> 7.62; B16 T256 I128 H256 42.1 -> 32.9, 168 -> 138;
-the GRU B16 T50 3.0 -> 2.1, 7.9 -> 6.4 (benchmarks/NOTES.md, session 69).
-XLA moves the widening of a weight matrix out of the loop that reads it.
+sums, which no kernel promises anyway. On that Xeon, bfloat16 products ->
+float32 products (interleaved, ms): the bfloat16 LSTM B16 T50 I64 H128
+forward 3.76 -> 2.61, forward+backward 9.67 -> 7.62; B16 T256 I128 H256 42.1
+-> 32.9, 168 -> 138; the GRU B16 T50 3.0 -> 2.1, 7.9 -> 6.4
+(benchmarks/NOTES.md, session 69). XLA moves the widening of a weight matrix
+out of the loop that reads it. The choice is made where the program is
+lowered: a program exported for CPUs keeps the exporting host's.
 
 A file DESIGN's layout does not list (nor `_xla`, whose docstring says why
 it exists): it holds one idea, a JAX primitive with its own abstract
