@@ -85,17 +85,26 @@ X86_VENDORS = ("GenuineIntel", "AuthenticAMD")
 def bfloat16_products_fast() -> bool | None:
   """Whether this CPU multiplies bfloat16 operands faster than float32 ones,
   as measured (XLA:CPU's products, jax 0.10.2): True with AMX (the AMX Xeon)
-  or with AVX512-BF16 on an AMD CPU (Zen 4, Zen 5); False on an x86 CPU
-  otherwise: with neither (a Zen 3, whose bfloat16 LSTM ran at 0.60-0.90x
-  of its float32 one), or with AVX512-BF16 on an Intel CPU without AMX (a
+  or with AVX512-BF16 on an AMD CPU (Zen 4, Zen 5). False on an x86 CPU with
+  neither (a Zen 3, whose bfloat16 LSTM ran at 0.60-0.90x of its float32
+  one), and on an Intel one with AVX512-BF16 and AVX512-FP16 but no AMX (a
   Xeon whose virtual machine hides AMX: its bfloat16 products took 1.3-1.8x
   as long as float32 ones, from `[16, 64] x [64, 512]` to `[512, 256] x
-  [256, 1024]`; benchmarks/NOTES.md, session 69). None where not measured
-  (not x86) or unknown (no flags)."""
+  [256, 1024]`; benchmarks/NOTES.md, session 69). Why that Xeon's are slow
+  where the Zens' with the same AVX512-BF16 are quick was not found, so an
+  Intel CPU with AVX512-BF16 but neither AVX512-FP16 nor AMX (a Cooper
+  Lake) is left unmeasured: None, as off x86 and where the flags are
+  unknown."""
   kind, f = bfloat16_products(), flags()
   if f is None or vendor() not in X86_VENDORS:
     return None
-  return kind == "amx" or (kind == "avx512_bf16" and vendor() == "AuthenticAMD")
+  if kind == "amx":
+    return True
+  if kind is None:
+    return False
+  if vendor() == "AuthenticAMD":
+    return True
+  return False if "avx512_fp16" in f else None
 
 
 @functools.cache
