@@ -36,8 +36,12 @@ float32 products (interleaved, ms): the bfloat16 LSTM B16 T50 I64 H128
 forward 3.76 -> 2.61, forward+backward 9.67 -> 7.62; B16 T256 I128 H256 42.1
 -> 32.9, 168 -> 138; the GRU B16 T50 3.0 -> 2.1, 7.9 -> 6.4
 (benchmarks/NOTES.md, session 69). XLA moves the widening of a weight matrix
-out of the loop that reads it. The choice is made where the program is
-lowered: a program exported for CPUs keeps the exporting host's.
+out of the loop that reads it, so a call pays for it once, a pass over the
+weights: that lost where a call has few steps to spread it over (a one-step
+LSTM B8 I1024 H1024 call 5.4 -> 13.3 ms, B8 T16 I256 H256 3.2 -> 3.5), and
+the caller says where not to widen (`widen`; `_xla` does so below 32
+steps). The choice is made where the program is lowered: a program exported
+for CPUs keeps the exporting host's.
 
 A file DESIGN's layout does not list (nor `_xla`, whose docstring says why
 it exists): it holds one idea, a JAX primitive with its own abstract
@@ -85,23 +89,25 @@ def _same_varying_axes(a, b):
   return a, b
 
 
-def rounded_dot(a, b, dimension_numbers, *, operands, result, out_sharding=None):
+def rounded_dot(a, b, dimension_numbers, *, operands, result, widen=True, out_sharding=None):
   """`lax.dot_general` of `a` and `b` rounded to `operands`, accumulated and
   returned in `result`; its derivatives are `rounded_dot`s too (module
-  docstring). `out_sharding` is `lax.dot_general`'s."""
+  docstring). `widen`: whether a CPU lowering may multiply the rounded
+  operands in float32 (`float32_products`), which its transposes inherit.
+  `out_sharding` is `lax.dot_general`'s."""
   a, b = _same_varying_axes(a, b)
   return rounded_dot_p.bind(a, b, dimension_numbers=_dims(dimension_numbers),
                             operands=np.dtype(operands), result=np.dtype(result),
-                            out_sharding=out_sharding)
+                            widen=bool(widen), out_sharding=out_sharding)
 
 
-def matmul(a, b, *, operands, result=None):
+def matmul(a, b, *, operands, result=None, widen=True):
   """`a @ b` for `a [..., K]` and `b [K, N]`, as a `rounded_dot` (result: `a`'s dtype)."""
   dims = (((a.ndim - 1,), (0,)), ((), ()))
-  return rounded_dot(a, b, dims, operands=operands, result=result or a.dtype)
+  return rounded_dot(a, b, dims, operands=operands, result=result or a.dtype, widen=widen)
 
 
-def _impl(a, b, *, dimension_numbers, operands, result, out_sharding):
+def _impl(a, b, *, dimension_numbers, operands, result, widen, out_sharding):
   # The barrier keeps XLA from rewriting the product with what follows it:
   # XLA:CPU folds a transpose of a dot's result into the dot (as another
   # output layout, or by swapping its operands), and then runs it with a
@@ -122,7 +128,7 @@ def _abstract_eval(a, b, **params):
   return a.update(shape=out.shape, dtype=out.dtype, sharding=out.sharding, weak_type=False)
 
 
-def _impl_in_float32(a, b, *, dimension_numbers, operands, result, out_sharding):
+def _impl_in_float32(a, b, *, dimension_numbers, operands, result, widen, out_sharding):
   """`_impl` with the rounded operands widened back to float32 and multiplied
   there: the same products (exact in float32), summed in float32."""
   widen = lambda v: v.astype(operands).astype(np.float32)
@@ -139,7 +145,8 @@ def float32_products(operands) -> bool:
 
 
 def _cpu_lowering(ctx, a, b, **params):
-  impl = _impl_in_float32 if float32_products(params["operands"]) else _impl
+  widen = params["widen"] and float32_products(params["operands"])
+  impl = _impl_in_float32 if widen else _impl
   return mlir.lower_fun(impl, multiple_results=False)(ctx, a, b, **params)
 
 
@@ -186,6 +193,7 @@ def _transpose(ct, y, x_aval, x_contract, y_contract, x_batch, y_batch, x_free, 
     spec = sharding.update(spec=sharding.spec.update(
         partitions=tuple(sharding.spec[o] if o < len(sharding.spec) else None for o in order)))
   out = rounded_dot(lhs, rhs, dims, operands=params["operands"], result=x_aval.dtype,
+                    widen=params["widen"],
                     out_sharding=spec)
   if identity:
     return out

@@ -246,17 +246,34 @@ def operand_dtype(dtype) -> np.dtype | None:
   return np.dtype(jnp.bfloat16) if np.dtype(dtype) == jnp.bfloat16 else None
 
 
-def _products(operands):
+# A CPU whose bfloat16 products are slow multiplies the rounded operands in
+# float32 (`_rounded_dot.float32_products`), widening each weight matrix once
+# a call: a pass over the weights, which a call of few steps does not earn
+# back. bfloat16 products -> float32 products, LSTM I256 H256 B8, forward, ms,
+# by steps: T1 0.58 / 0.60, T4 1.29 / 1.44, T16 3.2 / 3.5, T32 4.46 / 3.59, T64
+# 8.87 / 6.20; a one-step call at H1024 5.4 / 13.3 (benchmarks/NOTES.md,
+# session 69). So a layer of fewer steps keeps bfloat16 products.
+WIDEN_MIN_STEPS = 32
+
+
+def _widens(xs) -> bool:
+  """Whether a layer over `xs [T, B, .]` lets `_rounded_dot` widen its
+  operands (`WIDEN_MIN_STEPS`); a symbolic length counts as long."""
+  steps = xs[0].shape[0]
+  return jax.export.is_symbolic_dim(steps) or steps >= WIDEN_MIN_STEPS
+
+
+def _products(operands, widen=True):
   """`(dot_general, matmul, round_)` for a model whose matmul operands are
   `operands` (`operand_dtype`): JAX's own products where None, else
   `_rounded_dot`s rounding to `operands` (accumulating in, and returning,
-  the first operand's dtype), with `round_` casting a weight matrix once
-  rather than in every step."""
+  the first operand's dtype; `widen` as theirs), with `round_` casting a
+  weight matrix once rather than in every step."""
   if operands is None:
     return jax.lax.dot_general, jnp.matmul, lambda w: w
   dot_general = lambda a, b, dims: _rounded_dot.rounded_dot(a, b, dims, operands=operands,
-                                                            result=a.dtype)
-  return (dot_general, functools.partial(_rounded_dot.matmul, operands=operands),
+                                                            result=a.dtype, widen=widen)
+  return (dot_general, functools.partial(_rounded_dot.matmul, operands=operands, widen=widen),
           lambda w: w.astype(operands))
 
 
@@ -269,19 +286,20 @@ def _reads_opaque_orientation(x: jax.Array) -> bool:
   return any(not jax.export.is_symbolic_dim(n) and n == 1 for n in x.shape[:2])
 
 
-def _opaque_matmul(operands, a: jax.Array, w: jax.Array) -> jax.Array:
+def _opaque_matmul(operands, widen, a: jax.Array, w: jax.Array) -> jax.Array:
   """`a @ w^T` for `a [..., K]` and a weight block `w [N, K]` as the opaque
   buffer holds it, multiplied feature-major: `w @ a^T`, whose result (small:
   `[N, rows of a]`) is then transposed. Its result goes through a barrier,
   else XLA rewrites the pair as `a @ w^T`, which packs the transposed `w` on
   every call, up to 20% slower (benchmarks/NOTES.md, session 22). `operands` as
-  `operand_dtype`."""
+  `operand_dtype`; `widen` as `_products`'."""
   flat = a.reshape(-1, a.shape[-1])
   dims = (((1,), (1,)), ((), ()))
   if operands is None:
     product = jax.lax.dot_general(w, flat, dims)
   else:
-    product = _rounded_dot.rounded_dot(w, flat, dims, operands=operands, result=a.dtype)
+    product = _rounded_dot.rounded_dot(w, flat, dims, operands=operands, result=a.dtype,
+                                       widen=widen)
   return jax.lax.optimization_barrier(product).T.reshape(a.shape[:-1] + (w.shape[0],))
 
 
@@ -294,7 +312,8 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   direction `xs` holds (`_lanes.forward_lanes`), for the chunk length; `joined`:
   whether they are lanes by unit (`_reference.recurrent_step`)."""
   cell = functools.partial(_CELLS[mode], coefficients=coefficients)
-  _, matmul, round_ = _products(operands)
+  widen = _widens(xs)
+  _, matmul, round_ = _products(operands, widen)
   W = None if W is None else tuple(round_(w) for w in W)
   R = tuple(round_(r) for r in R)
   if _reads_opaque_orientation(xs[0]):
@@ -302,7 +321,7 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
     # transposes), multiplied as they lie.
     W = None if W is None else tuple(w.T for w in W)
     R = tuple(r.T for r in R)
-    matmul = functools.partial(_opaque_matmul, operands)
+    matmul = functools.partial(_opaque_matmul, operands, widen)
   # Pins the prepared weights and biases, so that XLA hoists their slicing
   # (and transposes) out of a loop around this call (the module docstring).
   W, R, bW, bR = jax.lax.optimization_barrier((W, R, bW, bR))
@@ -500,7 +519,7 @@ def _layer_jvp(mode, operands, primals, tangents):
 
   # A bfloat16 model's tangent multiplies bfloat16 operands too, through
   # `_rounded_dot`, whose transposes (the backward pass's matmuls) do as well.
-  dot_general, matmul, round_ = _products(operands)
+  dot_general, matmul, round_ = _products(operands, _widens(xs))
   weights_matmul = _weight_tangent_matmul(mode, operands, matmul, xs[0].dtype)
   A, X = [], []
   for d in range(D):

@@ -125,20 +125,32 @@ def test_matmul_result_dtype():
   assert _rounded_dot.matmul(a, b, operands=BF16, result=BF16).dtype == BF16
 
 
-def test_cpu_lowering_multiplies_where_the_cpu_is_quick(products):
-  """On a CPU the product's operands are bfloat16 where bfloat16 products are
-  quick, else float32 (the rounded values widened back); its transposes' too.
-  Other rounding dtypes are left alone. (Lowered for a CPU whatever the host.)"""
-  a, b, dims = _operands("matmul")
-  f = lambda a, b: jnp.sum(_dot(dims)(a, b) ** 2)
+def _lowered_operands(dims, **kwargs):
+  """The operand types of a product's and its two transposes' dot_generals,
+  lowered for a CPU whatever the host; each must have a float32 result."""
+  a, b, _ = _operands("matmul")
+  product = lambda a, b: _rounded_dot.rounded_dot(a, b, dims, operands=BF16, result=F32, **kwargs)
+  f = lambda a, b: jnp.sum(product(a, b) ** 2)
   traced = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(a, b)
   text = traced.lower(lowering_platforms=("cpu",)).as_text()
-  operand = {"bfloat16": "bf16", "float32": "f32"}[products]
   dots = [line for line in text.splitlines() if "dot_general" in line]
   assert len(dots) == 3, dots  # the product and its two transposes
+  kinds = set()
   for line in dots:
     inputs, output = line.rsplit(":", 1)[1].split("->")
-    assert inputs.count(f"x{operand}>") == 2 and output.strip().endswith("xf32>"), line
+    assert output.strip().endswith("xf32>"), line
+    kinds |= {kind for kind in ("bf16", "f32") if inputs.count(f"x{kind}>") == 2}
+  return kinds
+
+
+def test_cpu_lowering_multiplies_where_the_cpu_is_quick(products):
+  """On a CPU the product's operands are bfloat16 where bfloat16 products are
+  quick, else float32 (the rounded values widened back); its transposes' too;
+  bfloat16 either way where the caller says not to widen. Other rounding
+  dtypes are left alone."""
+  dims = CASES["matmul"][2]
+  assert _lowered_operands(dims) == {{"bfloat16": "bf16", "float32": "f32"}[products]}
+  assert _lowered_operands(dims, widen=False) == {"bf16"}
   assert _rounded_dot.float32_products(BF16) == (products == "float32")
   assert not _rounded_dot.float32_products(jnp.float16)
   assert not _rounded_dot.float32_products(F32)

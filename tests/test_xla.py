@@ -1199,6 +1199,31 @@ def test_bfloat16_opaque_products_round_as_the_transposed_ones(cls, T, B, monkey
   np.testing.assert_allclose(opaque, transposed, rtol=0, atol=1e-6)
 
 
+def test_bfloat16_products_widen_from_32_steps(monkeypatch):
+  """Where the CPU multiplies the rounded operands in float32, a layer of
+  fewer than 32 steps keeps bfloat16 products (widening its weights would
+  cost a call more than its steps save: `_xla.WIDEN_MIN_STEPS`), forward and
+  backward; from 32 steps every product is float32."""
+  monkeypatch.setattr(_cpu, "bfloat16_products_fast", lambda: False)
+  spec = jcr.CudnnLSTM(1, 8, 5, dtype=jnp.bfloat16)
+  params = spec.init_params(jax.random.key(0))
+
+  def operand_types(T, B=3):
+    x, h, c = random_inputs(spec, T, B)
+    loss = lambda x, p: jnp.sum(spec(x, h, c, p, implementation="xla")[0].astype(jnp.float32))
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(x, params).lower(
+        lowering_platforms=("cpu",)).as_text()
+    dots = [line.rsplit(":", 1)[1].split("->")[0] for line in text.splitlines()
+            if "dot_general" in line]
+    assert dots
+    return {kind for line in dots for kind in ("bf16", "f32") if f"x{kind}>" in line}
+
+  assert operand_types(31) == {"bf16"}
+  assert operand_types(1) == {"bf16"}
+  assert operand_types(32) == {"f32"}
+  assert operand_types(40, B=1) == {"f32"}
+
+
 @pytest.mark.usefixtures("products")
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_bfloat16_gradients_match_reference(cls):
