@@ -248,7 +248,8 @@ BFLOAT16_UNIT_LANE_MODES = frozenset({"lstm", "gru"})
 # one lane / by batch / by unit, forced): LSTM B16 T256 I128 H256 37.7 / 44.8
 # / 31.6, B64 T32 I128 H256 15.0 / 17.7 / 13.6, GRU B16 T256 I128 H256 34.1 /
 # 38.8 / 22.9; but LSTM B32 T32 I64 H192 5.60 / 5.83 / 7.56, GRU B32 T64 I128
-# H224 9.56 / 9.06 / 12.06. There it takes the window above only.
+# H224 9.56 / 9.06 / 12.06. There it takes the window above only (lanes run
+# from 32 steps, as float32 products do: `_xla.WIDEN_MIN_STEPS`).
 BFLOAT16_NARROW_UNIT_LANE_BYTES = 256 * 1024  # of R in bfloat16, included
 BFLOAT16_NARROW_UNIT_LANE_BATCH = {"avx512_bf16": (24, 112), "amx": (48, 112)}  # both included
 

@@ -29,7 +29,8 @@ them; everything element-wise stays float32.
 Where it multiplies. On a CPU whose bfloat16 products are slower than
 float32 ones (`_cpu.bfloat16_products_fast` False: a Zen 3, a Xeon without
 AMX), the operands rounded to bfloat16 are widened back to float32 and
-multiplied there (`float32_products`). The product of two bfloat16 values is
+multiplied there (`float32_products`), unless the caller says not to
+(`widen`). The product of two bfloat16 values is
 exact in float32, so the result is the same but for the order of the float32
 sums, which no kernel promises anyway. On that Xeon, bfloat16 products ->
 float32 products (interleaved, ms): the bfloat16 LSTM B16 T50 I64 H128
