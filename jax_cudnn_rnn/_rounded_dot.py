@@ -30,13 +30,12 @@ Where it multiplies. On a CPU whose bfloat16 products are slower than
 float32 ones (`_cpu.bfloat16_products_fast` False: a Zen 3, a Xeon without
 AMX), the operands rounded to bfloat16 are widened back to float32 and
 multiplied there (`float32_products`), unless the caller says not to
-(`widen`). The product of two bfloat16 values is
-exact in float32, so the result is the same but for the order of the float32
-sums, which no kernel promises anyway. On that Xeon, bfloat16 products ->
-float32 products (interleaved, ms): the bfloat16 LSTM B16 T50 I64 H128
-forward 3.76 -> 2.61, forward+backward 9.67 -> 7.62; B16 T256 I128 H256 42.1
--> 32.9, 168 -> 138; the GRU B16 T50 3.0 -> 2.1, 7.9 -> 6.4
-(benchmarks/NOTES.md, session 69). XLA moves the widening of a weight matrix
+(`widen`). The product of two bfloat16 values is exact in float32, so the
+result is the same but for the order of the float32 sums, which no kernel
+promises anyway. On that Xeon, bfloat16 products -> float32 products
+(interleaved, ms): the bfloat16 LSTM B16 T50 I64 H128 forward 3.76 -> 2.61,
+forward+backward 9.67 -> 7.62; B16 T256 I128 H256 42.1 -> 32.9, 168 -> 138;
+the GRU B16 T50 3.0 -> 2.1, 7.9 -> 6.4 (benchmarks/NOTES.md, session 69). XLA moves the widening of a weight matrix
 out of the loop that reads it, so a call pays for it once, a pass over the
 weights: that lost where a call has few steps to spread it over (a one-step
 LSTM B8 I1024 H1024 call 5.4 -> 13.3 ms, B8 T16 I256 H256 3.2 -> 3.5), and
@@ -132,8 +131,8 @@ def _abstract_eval(a, b, **params):
 def _impl_in_float32(a, b, *, dimension_numbers, operands, result, widen, out_sharding):
   """`_impl` with the rounded operands widened back to float32 and multiplied
   there: the same products (exact in float32), summed in float32."""
-  widen = lambda v: v.astype(operands).astype(np.float32)
-  out = jax.lax.dot_general(widen(a), widen(b), dimension_numbers,
+  up = lambda v: v.astype(operands).astype(np.float32)
+  out = jax.lax.dot_general(up(a), up(b), dimension_numbers,
                             preferred_element_type=np.float32, out_sharding=out_sharding)
   return jax.lax.optimization_barrier(out.astype(result))
 
