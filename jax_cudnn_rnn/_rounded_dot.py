@@ -35,13 +35,13 @@ result is the same but for the order of the float32 sums, which no kernel
 promises anyway. On that Xeon, bfloat16 products -> float32 products
 (interleaved, ms): the bfloat16 LSTM B16 T50 I64 H128 forward 3.76 -> 2.61,
 forward+backward 9.67 -> 7.62; B16 T256 I128 H256 42.1 -> 32.9, 168 -> 138;
-the GRU B16 T50 3.0 -> 2.1, 7.9 -> 6.4 (benchmarks/NOTES.md, session 69). XLA moves the widening of a weight matrix
-out of the loop that reads it, so a call pays for it once, a pass over the
-weights: that lost where a call has few steps to spread it over (a one-step
-LSTM B8 I1024 H1024 call 5.4 -> 13.3 ms, B8 T16 I256 H256 3.2 -> 3.5), and
-the caller says where not to widen (`widen`; `_xla` does so below 32
-steps). The choice is made where the program is lowered: a program exported
-for CPUs keeps the exporting host's.
+the GRU B16 T50 3.0 -> 2.1, 7.9 -> 6.4 (benchmarks/NOTES.md, session 69).
+XLA moves the widening of a weight matrix out of the loop that reads it, so
+a call pays for it once, a pass over the weights: that lost where a call has
+few steps to spread it over (a one-step LSTM B8 I1024 H1024 call 5.4 -> 13.3
+ms, B8 T16 I256 H256 3.2 -> 3.5), and the caller says where not to widen
+(`widen`; `_xla` does so below 32 steps). The choice is made where the
+program is lowered: a program exported for CPUs keeps the exporting host's.
 
 A file DESIGN's layout does not list (nor `_xla`, whose docstring says why
 it exists): it holds one idea, a JAX primitive with its own abstract
