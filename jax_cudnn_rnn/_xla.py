@@ -253,15 +253,40 @@ def operand_dtype(dtype) -> np.dtype | None:
 # back. bfloat16 products -> float32 products, LSTM I256 H256 B8, forward, ms,
 # by steps: T1 0.58 / 0.60, T4 1.29 / 1.44, T16 3.2 / 3.5, T32 4.46 / 3.59, T64
 # 8.87 / 6.20; a one-step call at H1024 5.4 / 13.3 (benchmarks/NOTES.md,
-# session 69). So a layer of fewer steps keeps bfloat16 products.
+# session 69). So a layer of fewer steps keeps bfloat16 products, but for a
+# one-step call on a batch (decoding), which multiplies by the opaque blocks as
+# they lie (`_reads_opaque_orientation`): there widening is a plain pass, and
+# in a decoder's `lax.scan` of one-step calls XLA hoists it out of the loop
+# with the weights' slicing, once a loop. bfloat16 products -> float32
+# products, us a token, a 64-step scan of one-step calls / one jitted call:
+# LSTM B8 I256 H256 287 -> 200 / 796 -> 863, 254 -> 152 / 753 -> 716; B2 179 ->
+# 104 / 751 -> 751; B32 559 -> 501 / 961 -> 903; B8 I128 H128 86 -> 45 / 330
+# -> 299; B8 I512 H512 709 -> 504 / 1736 -> 1344, 982 -> 782 / 2031 -> 2140;
+# B4 565 -> 308 / 1348 -> 1144; GRU B8 I512 H512 540 -> 399 / 1155 -> 1215.
+# Not on one sequence (B1: matrix-vector products, as fast in bfloat16; LSTM
+# I256 H256 loop 83 -> 90, 86 -> 92), nor past `WIDEN_ONE_STEP_MAX_WEIGHTS`
+# elements of a direction's matrices (LSTM H512's): larger, a single call's
+# widening outweighs its products (B8 I768 GRU 1833 -> 1991, B32 LSTM 4276 ->
+# 5255; B8 I1024 LSTM 7221 -> 18585, its 32 MiB of float32 weights faulting
+# in afresh on every call), though the loop still gains (1070 -> 633, 2964 ->
+# 2159, 2978 -> 2010) (benchmarks/NOTES.md, session 70).
 WIDEN_MIN_STEPS = 32
+WIDEN_ONE_STEP_MAX_WEIGHTS = 1 << 21
 
 
-def _widens(xs) -> bool:
-  """Whether a layer over `xs [T, B, .]` lets `_rounded_dot` widen its
-  operands (`WIDEN_MIN_STEPS`); a symbolic length counts as long."""
-  steps = xs[0].shape[0]
-  return jax.export.is_symbolic_dim(steps) or steps >= WIDEN_MIN_STEPS
+def _widens(xs, W, R) -> bool:
+  """Whether a layer over `xs [T, B, .]` whose directions' weight matrices
+  are `W` (None for `skip_input`) and `R` lets `_rounded_dot` widen its
+  operands: from `WIDEN_MIN_STEPS` steps, or in one step on more than one
+  sequence over at most `WIDEN_ONE_STEP_MAX_WEIGHTS` elements of a
+  direction's matrices. A symbolic size counts as large: a symbolic length as
+  long, a symbolic batch as more than one."""
+  steps, batch = xs[0].shape[:2]
+  if jax.export.is_symbolic_dim(steps) or steps >= WIDEN_MIN_STEPS:
+    return True
+  elements = R[0].size + (0 if W is None else W[0].size)
+  return (steps == 1 and (jax.export.is_symbolic_dim(batch) or batch > 1)
+          and elements <= WIDEN_ONE_STEP_MAX_WEIGHTS)
 
 
 def _products(operands, widen=True):
@@ -313,7 +338,7 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   direction `xs` holds (`_lanes.forward_lanes`), for the chunk length; `joined`:
   whether they are lanes by unit (`_reference.recurrent_step`)."""
   cell = functools.partial(_CELLS[mode], coefficients=coefficients)
-  widen = _widens(xs)
+  widen = _widens(xs, W, R)
   _, matmul, round_ = _products(operands, widen)
   W = None if W is None else tuple(round_(w) for w in W)
   R = tuple(round_(r) for r in R)
@@ -520,7 +545,7 @@ def _layer_jvp(mode, operands, primals, tangents):
 
   # A bfloat16 model's tangent multiplies bfloat16 operands too, through
   # `_rounded_dot`, whose transposes (the backward pass's matmuls) do as well.
-  dot_general, matmul, round_ = _products(operands, _widens(xs))
+  dot_general, matmul, round_ = _products(operands, _widens(xs, W, R))
   weights_matmul = _weight_tangent_matmul(mode, operands, matmul, xs[0].dtype)
   A, X = [], []
   for d in range(D):
