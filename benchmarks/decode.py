@@ -23,6 +23,12 @@ each time. Figures are per
 token (a loop's time divided by its steps), medians over round-robin rounds
 (`run._time_interleaved`), float32.
 
+    python benchmarks/decode.py --dtype bfloat16
+
+runs every contender in bfloat16 instead (weights, inputs and states; Flax's
+cells with `dtype` and `param_dtype` bfloat16, PyTorch's module cast); such a
+run's shapes and files say so (`-bfloat16`).
+
 Writes `<out-dir>/decode-<machine>-<date>.json` (every figure, the versions,
 the device) and `.md` (ratios of each peer's time to ours: > 1 means we are
 faster).
@@ -66,16 +72,19 @@ class Shape:
   input_size: int
   hidden: int
   layers: int
+  dtype: str = "float32"
 
   @property
   def name(self) -> str:
-    return f"{self.mode} B{self.batch} I{self.input_size} H{self.hidden} L{self.layers}"
+    name = f"{self.mode} B{self.batch} I{self.input_size} H{self.hidden} L{self.layers}"
+    return name if self.dtype == "float32" else f"{name} {self.dtype}"
 
   def __post_init__(self):
     grid_run.spec_class(self.mode)
 
   def spec(self):
-    return grid_run.spec_class(self.mode)(self.layers, self.hidden, self.input_size)
+    return grid_run.spec_class(self.mode)(self.layers, self.hidden, self.input_size,
+                                          dtype=jnp.dtype(self.dtype))
 
 
 def shapes(quick: bool) -> list[Shape]:
@@ -95,7 +104,7 @@ def _inputs(shape: Shape):
   x = jax.random.normal(jax.random.key(1), (shape.batch, shape.input_size), jnp.float32)
   proj = jax.random.normal(jax.random.key(2), (shape.hidden, shape.input_size), jnp.float32)
   proj = proj * 0.05
-  return x, proj
+  return x.astype(shape.dtype), proj.astype(shape.dtype)
 
 
 # -- the contenders: each returns {pattern: call} -----------------------------------
@@ -124,7 +133,7 @@ def ours(shape: Shape, steps: int, implementation: str, algorithm: str | None = 
   spec = shape.spec()
   params = spec.init_params(jax.random.key(0))
   x, proj = _inputs(shape)
-  zeros = jnp.zeros((shape.layers, shape.batch, shape.hidden), jnp.float32)
+  zeros = jnp.zeros((shape.layers, shape.batch, shape.hidden), shape.dtype)
   state = (zeros, zeros if shape.mode == "lstm" else None)  # (h, c)
 
   def one(params, x, state):
@@ -148,16 +157,17 @@ def _under_policy(algorithm: str, call):
 
 def flax_cells(shape: Shape, steps: int) -> dict:
   import flax.linen as nn
-  make = (lambda: nn.OptimizedLSTMCell(shape.hidden)) if shape.mode == "lstm" else \
-      (lambda: nn.GRUCell(shape.hidden))
+  dtype = jnp.dtype(shape.dtype)
+  cell_class = nn.OptimizedLSTMCell if shape.mode == "lstm" else nn.GRUCell
+  make = lambda: cell_class(shape.hidden, dtype=dtype, param_dtype=dtype,
+                            recurrent_kernel_init=grid_run.flax_recurrent_init)
   cells = [make() for _ in range(shape.layers)]
   x, proj = _inputs(shape)
   params, carries = [], []
   for layer, cell in enumerate(cells):
     size = shape.input_size if layer == 0 else shape.hidden
     carry = cell.initialize_carry(jax.random.key(3), (shape.batch, size))
-    params.append(cell.init(jax.random.key(layer), carry,
-                            jnp.zeros((shape.batch, size), jnp.float32)))
+    params.append(cell.init(jax.random.key(layer), carry, jnp.zeros((shape.batch, size), dtype)))
     carries.append(carry)
   carries = tuple(carries)
 
@@ -174,10 +184,11 @@ def flax_cells(shape: Shape, steps: int) -> dict:
 def torch_module(shape: Shape, device: str) -> dict:
   import torch
   cls = torch.nn.LSTM if shape.mode == "lstm" else torch.nn.GRU
-  module = cls(shape.input_size, shape.hidden, shape.layers).to(device)
-  x = torch.randn(1, shape.batch, shape.input_size, device=device)
-  proj = torch.randn(shape.hidden, shape.input_size, device=device) * 0.05
-  zeros = torch.zeros(shape.layers, shape.batch, shape.hidden, device=device)
+  dtype = getattr(torch, shape.dtype)
+  module = cls(shape.input_size, shape.hidden, shape.layers).to(device=device, dtype=dtype)
+  x = torch.randn(1, shape.batch, shape.input_size, device=device, dtype=dtype)
+  proj = torch.randn(shape.hidden, shape.input_size, device=device, dtype=dtype) * 0.05
+  zeros = torch.zeros(shape.layers, shape.batch, shape.hidden, device=device, dtype=dtype)
   state = (zeros, zeros.clone()) if shape.mode == "lstm" else zeros
   sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -259,6 +270,9 @@ def main(argv=None) -> int:
   parser.add_argument("--machine", default=None, help="name in the output files")
   parser.add_argument("--sync-dispatch", action="store_true",
                       help="run JAX's calls on the calling thread (files end in -sync)")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="every contender's weights, inputs and states (files end in "
+                           "-bfloat16 for bfloat16)")
   args = parser.parse_args(argv)
   if args.sync_dispatch:
     dispatch_synchronously()
@@ -267,6 +281,7 @@ def main(argv=None) -> int:
   lead_in_s = grid_run.lead_in_seconds(gpu)
   results = []
   for shape in shapes(args.quick):
+    shape = dataclasses.replace(shape, dtype=args.dtype)
     timed = {}
     for impl, make in contenders(shape, args.steps, gpu, have_torch).items():
       try:
@@ -291,11 +306,11 @@ def main(argv=None) -> int:
   out_dir.mkdir(parents=True, exist_ok=True)
   asynchronous = async_dispatch()
   stem = (f"decode-{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
-          f"{'' if asynchronous else '-sync'}")
+          f"{'' if asynchronous else '-sync'}{'' if args.dtype == 'float32' else '-' + args.dtype}")
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(), "cpu": cpu,
             "versions": grid_run.versions(), "quick": args.quick, "steps": args.steps,
             "repeats": repeats, "warmup": args.warmup, "lead_in_s": lead_in_s,
-            "cpu_async_dispatch": asynchronous, "results": results}
+            "cpu_async_dispatch": asynchronous, "dtype": args.dtype, "results": results}
   (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=1))
   table = markdown(results, device_name if gpu else grid_run.cpu_heading(device_name, cpu),
                    args.steps, asynchronous)

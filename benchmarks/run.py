@@ -303,23 +303,23 @@ def _ours(shape: Shape, implementation: str, time_major: bool):
                                       argnums=(0, 1)), (x, params), scratch)
 
 
+def flax_recurrent_init(key, init_shape, init_dtype):
+  """Flax's orthogonal recurrent initializer, in float32 and cast: it takes a QR,
+  which XLA:CPU has no bfloat16 kernel for (and newer Flax evaluates a
+  parameter's initializer even in `apply`, to check its shape)."""
+  import flax.linen as nn
+  return nn.initializers.orthogonal()(key, init_shape, jnp.float32).astype(init_dtype)
+
+
 def flax_scan(shape: Shape):
   import flax.linen as nn
   dtype = jnp.dtype(shape.dtype)
-
-  # Flax's orthogonal recurrent initializer takes a QR, which XLA:CPU has no bfloat16 kernel
-  # for (and newer Flax evaluates a parameter's initializer even in `apply`, to check its
-  # shape): it runs in float32 here and is cast.
-  orthogonal = nn.initializers.orthogonal()
-
-  def recurrent_init(key, init_shape, init_dtype):
-    return orthogonal(key, init_shape, jnp.float32).astype(init_dtype)
 
   class Stack(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-      kwargs = dict(dtype=dtype, param_dtype=dtype, recurrent_kernel_init=recurrent_init)
+      kwargs = dict(dtype=dtype, param_dtype=dtype, recurrent_kernel_init=flax_recurrent_init)
       for _ in range(shape.layers):
         cell = (lambda: nn.OptimizedLSTMCell(shape.hidden, **kwargs)) \
             if shape.mode == "lstm" else (lambda: nn.GRUCell(shape.hidden, **kwargs))

@@ -11,6 +11,7 @@ per-token figures and ratios are the JSON's, and `--sync-dispatch` sets JAX's
 option (the suite's CPU client is kept) and says so in the files.
 """
 
+import dataclasses
 import json
 import re
 
@@ -24,9 +25,13 @@ from helpers import has_torch, load_benchmark, on_a_cpu_host
 
 
 @on_a_cpu_host
-@pytest.mark.parametrize("as_gpu,sync", [(False, False), (False, True), (True, False)],
-                         ids=["cpu", "cpu-sync-dispatch", "gpu-with-handler-model"])
-def test_decode_benchmark_runs_end_to_end(as_gpu, sync, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("as_gpu,sync,dtype", [(False, False, "float32"),
+                                               (False, True, "float32"),
+                                               (True, False, "float32"),
+                                               (False, False, "bfloat16")],
+                         ids=["cpu", "cpu-sync-dispatch", "gpu-with-handler-model",
+                              "cpu-bfloat16"])
+def test_decode_benchmark_runs_end_to_end(as_gpu, sync, dtype, tmp_path, monkeypatch, capsys):
   decode = load_benchmark("decode")
   tiny = [decode.Shape("lstm", 2, 3, 4, 2), decode.Shape("gru", 1, 3, 4, 1)]
   monkeypatch.setattr(decode, "shapes", lambda quick: tiny)
@@ -39,7 +44,7 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, sync, tmp_path, monkeypatch, c
     model = HandlerModel().install(monkeypatch.setattr)
   try:
     assert decode.main(["--quick", "--repeats", "2", "--warmup", "1", "--steps", "3",
-                        "--out-dir", str(tmp_path), "--machine", "test"]
+                        "--out-dir", str(tmp_path), "--machine", "test", "--dtype", dtype]
                        + (["--sync-dispatch"] if sync else [])) == 0
   finally:
     jax.config.update(decode.ASYNC_DISPATCH, True)
@@ -48,10 +53,10 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, sync, tmp_path, monkeypatch, c
 
   written = sorted(p.name for p in tmp_path.iterdir())
   assert len(written) == 2 and written[0].startswith("decode-test-"), written
-  suffix = "-quick-sync" if sync else "-quick"
+  suffix = ("-quick-sync" if sync else "-quick") + ("-bfloat16" if dtype == "bfloat16" else "")
   assert written[0].endswith(suffix + ".json") and written[1].endswith(suffix + ".md"), written
   record = json.loads((tmp_path / written[0]).read_text())
-  assert record["steps"] == 3 and record["repeats"] == 2
+  assert record["steps"] == 3 and record["repeats"] == 2 and record["dtype"] == dtype
   assert record["cpu_async_dispatch"] is (not sync)
   assert {"jax", "numpy", "cudnn", "commit"} <= set(record["versions"])
   patterns = ("loop", "step", "eager")
@@ -64,6 +69,8 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, sync, tmp_path, monkeypatch, c
     timed |= {("torch", "step"), ("torch", "eager")}
   if has_torch() and as_gpu:  # this CPU has no CUDA: reported, and the run goes on
     assert re.search(r"torch\s+skipped:", printed), printed
+  tiny = [dataclasses.replace(shape, dtype=dtype) for shape in tiny]
+  assert all(shape.name.endswith(" bfloat16") is (dtype == "bfloat16") for shape in tiny)
   for shape in tiny:
     results = {(r["impl"], r["pattern"]): r for r in record["results"]
                if r["shape"] == shape.name}
@@ -97,20 +104,23 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, sync, tmp_path, monkeypatch, c
         assert float(cells[3 + 2 * k].rstrip("x")) == pytest.approx(ratio, abs=0.006)
 
 
-def test_contenders_decode_the_same_recurrence_shapes():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_contenders_decode_the_same_recurrence_shapes(dtype):
   """Each JAX contender's loop returns the next input and the carried state with
   the shapes one step produces (a loop that dropped the state, or fed it back
   in the wrong shape, would not compile or would decode something else), and
   its eager step the values of its jitted one."""
   decode = load_benchmark("decode")
-  shape = decode.Shape("lstm", 2, 3, 4, 2)
+  shape = decode.Shape("lstm", 2, 3, 4, 2, dtype)
   for make in (lambda: decode.ours(shape, 3, "xla"), lambda: decode.flax_cells(shape, 3)):
     calls = make()
     x, state = calls["loop"]()
-    assert x.shape == (2, 3)
+    assert x.shape == (2, 3) and x.dtype == dtype
     leaves = jax.tree.leaves(state)
     assert leaves and all(np.all(np.isfinite(leaf)) for leaf in leaves)
     assert {leaf.shape[-1] for leaf in leaves} == {4}
+    assert {leaf.dtype for leaf in leaves} == {np.dtype(dtype)}
     # Without jit, one step is the jitted step.
     for got, want in zip(jax.tree.leaves(calls["eager"]()), jax.tree.leaves(calls["step"]())):
-      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+      np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                 rtol=1e-6, atol=1e-6)
