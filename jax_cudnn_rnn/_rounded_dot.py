@@ -40,8 +40,10 @@ XLA moves the widening of a weight matrix out of the loop that reads it, so
 a call pays for it once, a pass over the weights: that lost where a call has
 few steps to spread it over (a one-step LSTM B8 I1024 H1024 call 5.4 -> 13.3
 ms, B8 T16 I256 H256 3.2 -> 3.5), and the caller says where not to widen
-(`widen`; `_xla` does so below 32 steps). The choice is made where the
-program is lowered: a program exported for CPUs keeps the exporting host's.
+(`widen`; `_xla` does so below 32 steps but for one-step calls on a batch
+over small weights, which a decoder's loop widens once). The choice is made
+where the program is lowered: a program exported for CPUs keeps the
+exporting host's.
 
 A file DESIGN's layout does not list (nor `_xla`, whose docstring says why
 it exists): it holds one idea, a JAX primitive with its own abstract

@@ -61,9 +61,11 @@ T256 I128 H256 94 -> 69, GRU same shape 66 -> 49, LSTM B32 T100 I256 H256,
 2 bidirectional layers, 344 -> 234 (session 16). On a CPU whose bfloat16
 products are slower than its float32 ones, the rounded operands are
 multiplied in float32, the same products (`_rounded_dot.float32_products`),
-in a layer of 32 steps or more (`WIDEN_MIN_STEPS`; session 69). float16
-operands were no faster on that machine than float32 ones, so float16 models
-multiply in float32.
+in a layer of 32 steps or more (`WIDEN_MIN_STEPS`; session 69), and in a
+one-step call on a batch over small enough weights, which a decoder's loop
+widens once (`WIDEN_ONE_STEP_MAX_WEIGHTS`; session 70). float16 operands were
+no faster on that machine than float32 ones, so float16 models multiply in
+float32.
 
 On a single CPU device, a unidirectional layer's forward alone cuts its batch
 into two lanes that run as directions of their own, side by side, where XLA:CPU
