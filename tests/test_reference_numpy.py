@@ -40,6 +40,16 @@ def test_matches_numpy(cls, layers, direction, mode):
   _compare(spec)
 
 
+@pytest.mark.parametrize("cls,layers,direction,mode", CONFIGS)
+def test_one_step_matches_numpy(cls, layers, direction, mode):
+  """One step (decoding), which runs without a loop (`_reference.forward_scan`),
+  with and without lengths (one of them 0: the state is kept, the output 0)."""
+  spec = cls(layers, 4, 4 if mode == "skip_input" else 3, input_mode=mode, direction=direction,
+             dtype=jnp.float64)
+  _compare(spec, T=1)
+  _compare(spec, T=1, seq_lengths=np.array([1, 0, 1]))
+
+
 @pytest.mark.parametrize("cls,direction", list(itertools.product(SPEC_CLASSES, ("unidirectional", "bidirectional"))))
 @pytest.mark.parametrize("time_major", [True, False])
 def test_matches_numpy_with_seq_lengths(cls, direction, time_major):
