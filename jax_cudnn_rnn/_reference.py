@@ -160,7 +160,7 @@ def mask(valid_t, h, c, h_prev, c_prev):
   """
   if valid_t is None:
     return h, c, h
-  keep = valid_t[..., None]
+  keep = valid_t[:, None]
   h = jnp.where(keep, h, h_prev)
   c = None if c is None else jnp.where(keep, c, c_prev)
   return h, c, jnp.where(keep, h, jnp.zeros((), h.dtype))
@@ -239,27 +239,8 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
     return (hs, cs), (outs, res)
 
   carry0 = (tuple(h0), None if c0 is None else tuple(c0))
-  if _one_step(xs[0]):
-    # One step (decoding) runs without a loop, its states and inputs keeping
-    # the time axis, so that each new state is made in the shape the call
-    # returns it in. Made in `[B, H]` and returned as `[1, B, H]`, the LSTM's
-    # new cell state in a decoder's `lax.scan` of calls: XLA:CPU computed it
-    # twice, in the kernel writing it out and in the one making `h'`, each
-    # gate's activation then a kernel of its own, the old state copied: a
-    # decoder's step (B8 I64 H128, with its own product) 12 kernels instead
-    # of 8, as many as Flax's cell's (benchmarks/NOTES.md, session 70).
-    with_time = lambda t: jax.tree.map(lambda a: a[None], t)
-    (hT, cT), (ys, res) = step(with_time(carry0), (tuple(xs), valid))
-    without_time = lambda t: jax.tree.map(lambda a: a[0], t)
-    return ys, without_time(hT), without_time(cT), res
   (hT, cT), (ys, res) = jax.lax.scan(step, carry0, (tuple(xs), valid))
   return ys, hT, cT, res
-
-
-def _one_step(x: jax.Array) -> bool:
-  """Whether `x [T, B, .]` has one step (a symbolic length counts as more)."""
-  steps = x.shape[0]
-  return not jax.export.is_symbolic_dim(steps) and steps == 1
 
 
 def _recurrence(mode, xs, valid, h0, c0, W, R, bW, bR):

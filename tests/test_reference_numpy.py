@@ -42,8 +42,8 @@ def test_matches_numpy(cls, layers, direction, mode):
 
 @pytest.mark.parametrize("cls,layers,direction,mode", CONFIGS)
 def test_one_step_matches_numpy(cls, layers, direction, mode):
-  """One step (decoding), which runs without a loop (`_reference.forward_scan`),
-  with and without lengths (one of them 0: the state is kept, the output 0)."""
+  """One step (decoding), with and without lengths (one of them 0: the state is
+  kept, the output 0)."""
   spec = cls(layers, 4, 4 if mode == "skip_input" else 3, input_mode=mode, direction=direction,
              dtype=jnp.float64)
   _compare(spec, T=1)

@@ -15,7 +15,6 @@ itself against a hand-rounded one).
 
 import functools
 import itertools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -1019,47 +1018,6 @@ def test_weights_prepared_once_in_a_loop_around_the_call(cls, T, B):
   assert states, "no loop in the compiled decoder"
   buffer = f"f32[{spec.params_size()}]"
   assert not any(buffer in s for s in states), (buffer, states)
-
-
-def _loop_body(hlo: str) -> list[str]:
-  """The instructions of the body of the one `while` loop in compiled HLO text."""
-  (body,) = re.findall(r" while\(.*, body=%?([\w.]+)", hlo)
-  start = hlo.index(f"%{body} ") if f"%{body} " in hlo else hlo.index(f"{body} ")
-  return hlo[start:hlo.index("\n}", start)].splitlines()[1:]
-
-
-@pytest.mark.parametrize("cls", SPEC_CLASSES)
-def test_decoder_step_copies_no_state(cls):
-  """A decoder's `lax.scan` of one-step calls: each new state is made once, in
-  the shape the call returns it in, so the loop copies none of its states.
-  Made in `[B, H]` and returned as `[1, B, H]`, the LSTM's cell state was
-  computed twice (in its own kernel and in the one making `h'`), the old one
-  copied so that both read it, and the GRU's state copied too: a decoder's
-  step (B8 I64 H128, with its own product) ran 12 kernels for the LSTM, 8
-  after, as Flax's cell's, and 8 for the GRU, 7 after
-  (`_reference.forward_scan`; benchmarks/NOTES.md, session 70). The decoded
-  values match the reference's."""
-  spec = cls(1, 16, 8, dtype=jnp.float32)
-  params = spec.init_params(jax.random.key(0))
-  x, h, c = (None if a is None else jnp.asarray(a, jnp.float32)
-             for a in random_inputs(spec, 1, 4))
-  proj = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)) * 0.1, jnp.float32)
-
-  def decode(impl, params, x, h, c):
-    def body(carry, _):
-      x, h, c = carry
-      y, h, c = impl(spec, x, h, c, params)
-      return (jnp.tanh(y @ proj), h, c), y[-1]
-    return jax.lax.scan(body, (x, h, c), None, length=5)[1]
-
-  fast = jax.jit(functools.partial(decode, _xla.rnn))
-  np.testing.assert_allclose(fast(params, x, h, c),
-                             jax.jit(functools.partial(decode, _reference.rnn))(params, x, h, c),
-                             rtol=1e-5, atol=1e-5)
-  with jax.default_device(jax.devices("cpu")[0]):
-    body = _loop_body(fast.lower(params, x, h, c).compile().as_text())
-  copies = [line for line in body if re.search(r"= f32\[[\d,]*\]\S* copy\(", line)]
-  assert not copies, copies
 
 
 @pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
