@@ -983,6 +983,17 @@ def _loop_states(hlo: str) -> list[str]:
           if " while(" in line]
 
 
+def _decode(spec, impl, params, x, h, c):
+  """A decoder: five calls of `impl` (`_xla.rnn` or `_reference.rnn`) in a
+  `lax.scan`, each fed the previous one's output through a `tanh`; the last
+  step's output of each."""
+  def body(carry, _):
+    x, h, c = carry
+    y, h, c = impl(spec, x, h, c, params)
+    return (jnp.tanh(y), h, c), y[-1]
+  return jax.lax.scan(body, (x, h, c), None, length=5)[1]
+
+
 @pytest.mark.parametrize("T,B", [(1, 4), (1, 1), (8, 4)],
                          ids=["one-step", "one-step-one-sequence", "eight-steps"])
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
@@ -1002,16 +1013,10 @@ def test_weights_prepared_once_in_a_loop_around_the_call(cls, T, B):
   x, h = jnp.asarray(x, jnp.float32), jnp.asarray(h, jnp.float32)
   c = None if c is None else jnp.asarray(c, jnp.float32)
 
-  def decode(impl, params, x, h, c):
-    def body(carry, _):
-      x, h, c = carry
-      y, h, c = impl(spec, x, h, c, params)
-      return (jnp.tanh(y), h, c), y[-1]
-    return jax.lax.scan(body, (x, h, c), None, length=5)[1]
-
-  fast = jax.jit(functools.partial(decode, _xla.rnn))
+  fast = jax.jit(functools.partial(_decode, spec, _xla.rnn))
   np.testing.assert_allclose(fast(params, x, h, c),
-                             jax.jit(functools.partial(decode, _reference.rnn))(params, x, h, c),
+                             jax.jit(functools.partial(_decode, spec, _reference.rnn))(
+                                 params, x, h, c),
                              rtol=1e-5, atol=1e-5)
   with jax.default_device(jax.devices("cpu")[0]):
     states = _loop_states(fast.lower(params, x, h, c).compile().as_text())
@@ -1032,15 +1037,8 @@ def test_bfloat16_decoder_widens_its_weights_once(cls, products):
   params = spec.init_params(jax.random.key(0))
   x, h, c = random_inputs(spec, 1, 4)
 
-  def decode(impl, params, x, h, c):
-    def body(carry, _):
-      x, h, c = carry
-      y, h, c = impl(spec, x, h, c, params)
-      return (jnp.tanh(y), h, c), y[-1]
-    return jax.lax.scan(body, (x, h, c), None, length=5)[1]
-
-  fast = jax.jit(functools.partial(decode, _xla.rnn))
-  ref = jax.jit(functools.partial(decode, _reference.rnn))(params, x, h, c)
+  fast = jax.jit(functools.partial(_decode, spec, _xla.rnn))
+  ref = jax.jit(functools.partial(_decode, spec, _reference.rnn))(params, x, h, c)
   assert relative_error(fast(params, x, h, c), ref) < 1e-2
   with jax.default_device(jax.devices("cpu")[0]):
     (state,) = _loop_states(fast.lower(params, x, h, c).compile().as_text())
