@@ -1277,6 +1277,16 @@ def test_bfloat16_gradients_match_reference(cls):
   _assert_bfloat16_gradients_match_reference(spec, 32, jnp.array([32, 13, 0], jnp.int32))
 
 
+@pytest.mark.usefixtures("products")
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_bfloat16_one_step_gradients_match_reference(cls):
+  """The same at one step on a batch of three (decoding, whose products widen
+  where the CPU multiplies in float32: `_xla.WIDEN_ONE_STEP_MAX_WEIGHTS`),
+  one sequence of length 0."""
+  spec = cls(2, 8, 5, direction="bidirectional", dtype=jnp.bfloat16)
+  _assert_bfloat16_gradients_match_reference(spec, 1, jnp.array([1, 0, 1], jnp.int32))
+
+
 def _assert_bfloat16_gradients_match_reference(spec, T, lengths):
   """The gradients in the inputs, the initial state and the parameters, of the
   "xla" path against the reference's; tolerances as measured above."""
