@@ -291,7 +291,7 @@ def _widens(xs, W, R) -> bool:
           and elements <= WIDEN_ONE_STEP_MAX_WEIGHTS)
 
 
-def _products(operands, widen=True):
+def _products(operands, widen):
   """`(dot_general, matmul, round_)` for a model whose matmul operands are
   `operands` (`operand_dtype`): JAX's own products where None, else
   `_rounded_dot`s rounding to `operands` (accumulating in, and returning,
