@@ -238,7 +238,8 @@ def dispatch_synchronously() -> None:
   jax.extend.backend.clear_backends()
 
 
-def markdown(results: list[dict], device: str, steps: int, asynchronous: bool = True) -> str:
+def markdown(results: list[dict], device: str, steps: int, asynchronous: bool = True,
+             cpus: int | None = None) -> str:
   dispatch = ("" if asynchronous else
               " JAX's CPU client ran each call on the calling thread "
               f"(`--sync-dispatch`: `{ASYNC_DISPATCH}` off), not on a thread of its own.")
@@ -256,6 +257,7 @@ def markdown(results: list[dict], device: str, steps: int, asynchronous: bool = 
     lines += [f"## {pattern}", ""]
     lines += grid_run.ratio_table(section, ours, present, "per_token_s", "us", 1e6, 1)
     lines.append("")
+  lines += grid_run.stolen_table(results, cpus, "pattern", ("loop", "step", "eager"))
   return "\n".join(lines)
 
 
@@ -313,7 +315,7 @@ def main(argv=None) -> int:
             "cpu_async_dispatch": asynchronous, "dtype": args.dtype, "results": results}
   (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=1))
   table = markdown(results, device_name if gpu else grid_run.cpu_heading(device_name, cpu),
-                   args.steps, asynchronous)
+                   args.steps, asynchronous, record["cpu_count"])
   (out_dir / f"{stem}.md").write_text(table)
   print("\n" + table)
   print(f"wrote {out_dir / stem}.json/.md")

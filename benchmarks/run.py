@@ -17,7 +17,8 @@ with respect to the input and all weights). Each figure is the median of
 (interquartile range), timed in round-robin rounds across the contenders so that
 a slow stretch of a noisy machine falls on all alike, each timed call led in by an
 untimed call of the same contender (`--lead-in`), with the minor page faults of each
-timed call (`_time_interleaved`); and the memory each call
+timed call and the CPU time a hypervisor gave other guests during it (its steal time,
+tabled where there was any: `_time_interleaved`); and the memory each call
 needs beyond its inputs (`MEMORY_MEASURE`): for JAX contenders XLA's temporary
 and output buffers of the compiled computation (`memory_analysis()`, any
 backend), plus, for `ours-cudnn`, the cuDNN workspace its handlers take from
@@ -163,8 +164,12 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
   pages faults in, about 1 us each on these machines (README's tip on `GLIBC_TUNABLES`;
   benchmarks/NOTES.md, sessions 25 and 54), a cost that differs between contenders whose
   buffers fall on either side of the threshold.
+  And the CPU time the hypervisor gave to other guests during each timed call
+  (`stolen_s`, `stolen_seconds`; None off Linux): on a shared virtual machine a
+  stretch of it slows every contender timed in it (`stolen_percent`).
   A contender that fails is reported as `{"error": ...}`."""
   samples, faults, failed = {name: [] for name in fns}, {name: [] for name in fns}, {}
+  stolen = {name: [] for name in fns}
   for name, fn in fns.items():
     try:
       for _ in range(warmup):
@@ -183,13 +188,15 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
             fn()
             made += 1
         for _ in range(per_round):
-          faults_before = _minor_faults()
+          faults_before, stolen_before = _minor_faults(), stolen_seconds()
           start = time.perf_counter()
           fn()
           samples[name].append(time.perf_counter() - start)
-          faults_after = _minor_faults()
+          faults_after, stolen_after = _minor_faults(), stolen_seconds()
           if faults_before is not None:
             faults[name].append(faults_after - faults_before)
+          if stolen_before is not None and stolen_after is not None:
+            stolen[name].append(stolen_after - stolen_before)
       except Exception as e:
         failed[name] = f"{type(e).__name__}: {e}"
   out = {}
@@ -202,7 +209,7 @@ def _time_interleaved(fns: dict, repeats: int, warmup: int, rounds: int,
     # populations (session 31 in benchmarks/NOTES.md), which only the timings show.
     out[name] = {"median_s": float(median), "iqr_s": float(q3 - q1),
                  "repeats": len(samples[name]), "times_s": [float(t) for t in samples[name]],
-                 "minor_faults": faults[name] or None}
+                 "minor_faults": faults[name] or None, "stolen_s": stolen[name] or None}
   return out
 
 
@@ -211,9 +218,39 @@ def _minor_faults() -> int | None:
   return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def stolen_seconds(stat: str = "/proc/stat") -> float | None:
+  """CPU time the hypervisor ran other guests while this machine's CPUs were
+  ready to run (`steal` in `/proc/stat`, summed over every CPU), in seconds
+  since boot; None where unknown (no `/proc/stat`: not Linux; no such field).
+  On a shared virtual machine the same code then runs slower: the quick grid
+  of session 71 took 4.66 ms for a call that ran 2.28 ms on the same kind of
+  machine in session 62 (benchmarks/NOTES.md)."""
+  try:
+    with open(stat) as f:
+      fields = f.readline().split()
+  except OSError:
+    return None
+  if len(fields) < 9 or fields[0] != "cpu":
+    return None
+  return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
+def stolen_percent(record: dict, cpus: int) -> float | None:
+  """The share of the machine's CPU time (`cpus` CPUs) the hypervisor took
+  during a contender's timed calls (`_time_interleaved`'s `stolen_s` and
+  `times_s`), in percent; None where not recorded."""
+  if not record.get("stolen_s"):
+    return None
+  return 100 * sum(record["stolen_s"]) / (sum(record["times_s"]) * cpus)
+
+
 MEMORY_MEASURE = ("bytes a call needs beyond its inputs: XLA temp + outputs - aliased "
                   "(+ cuDNN run-time workspace for ours-cudnn); PyTorch: peak allocated "
                   "during the call - allocated before")
+STOLEN_MEASURE = ("the steal time of `/proc/stat` during the contender's timed calls, "
+                  "as a share of their wall time on all {cpus} CPUs (CPU time the "
+                  "hypervisor gave to other guests: on a shared virtual machine, figures "
+                  "taken while it is high run slower, for every contender in that stretch)")
 COMPILE_MEASURE = ("wall time of `jax.jit(f).lower(*args).compile()`, once per phase, in "
                    "one process after a warm-up compile (no persistent compilation cache); "
                    "PyTorch runs eagerly and has none")
@@ -496,7 +533,38 @@ def ratio_table(results: list[dict], ours: str, peers: list[str], value: str, un
   return lines
 
 
-def markdown(results: list[dict], device: str) -> str:
+def per_contender_table(results: list[dict], title: str, measure: str, value, digits: int,
+                        key: str = "phase", kinds: tuple = ("fwd", "fwd+bwd")) -> list[str]:
+  """The lines of a markdown table of `value(record)` per shape and contender,
+  one cell per contender holding its `kinds` of `record[key]` ("fwd / fwd+bwd"),
+  for the contenders with a value anywhere; none where no contender has one."""
+  impls = [i for i in dict.fromkeys(r["impl"] for r in results)
+           if any(value(r) is not None for r in results if r["impl"] == i)]
+  if not impls:
+    return []
+  cell = lambda r: "—" if r is None or value(r) is None else f"{value(r):.{digits}f}"
+  out = [title, "", f"Measure: {measure}.", "",
+         "| shape | " + " | ".join(impls) + " |", "|---|" + "---:|" * len(impls)]
+  for shape in dict.fromkeys(r["shape"] for r in results):
+    rows = {(r["impl"], r[key]): r for r in results if r["shape"] == shape}
+    out.append(f"| {shape} | " + " | ".join(
+        " / ".join(cell(rows.get((i, kind))) for kind in kinds) for i in impls) + " |")
+  return out + [""]
+
+
+def stolen_table(results: list[dict], cpus: int | None, key: str = "phase",
+                 kinds: tuple = ("fwd", "fwd+bwd")) -> list[str]:
+  """`per_contender_table` of `stolen_percent`, where the hypervisor took any
+  CPU time during the timed calls (a shared virtual machine); else none."""
+  cpus = cpus or os.cpu_count() or 1
+  if not any(stolen_percent(r, cpus) for r in results):
+    return []
+  return per_contender_table(
+      results, f"## CPU time stolen by the hypervisor, {' / '.join(kinds)} (%)",
+      STOLEN_MEASURE.format(cpus=cpus), lambda r: stolen_percent(r, cpus), 1, key, kinds)
+
+
+def markdown(results: list[dict], device: str, cpus: int | None = None) -> str:
   ours = ours_of(results)
   lines = [f"# RNN benchmarks on {device}", "",
            f"Ours = `{ours}`: `ours-cudnn` where it ran (a GPU, where our \"xla\" path is "
@@ -528,18 +596,10 @@ def markdown(results: list[dict], device: str) -> str:
         lambda r: "—" if r is None or not r.get("minor_faults") else
         f"{np.median(r['minor_faults']):.0f}")
   # Compile times: for the contenders compiled ahead of their calls (not PyTorch).
-  compiled = [i for i in dict.fromkeys(r["impl"] for r in results)
-              if any(r.get("compile_s") is not None for r in results if r["impl"] == i)]
-  if compiled:
-    seconds = lambda r: "—" if r is None or r.get("compile_s") is None else f"{r['compile_s']:.2f}"
-    lines += ["## compile time, fwd / fwd+bwd (s)", "", f"Measure: {COMPILE_MEASURE}.", "",
-              "| shape | " + " | ".join(compiled) + " |", "|---|" + "---:|" * len(compiled)]
-    for shape in dict.fromkeys(r["shape"] for r in results):
-      rows = {(r["impl"], r["phase"]): r for r in results if r["shape"] == shape}
-      lines.append(f"| {shape} | " + " | ".join(
-          f"{seconds(rows.get((i, 'fwd')))} / {seconds(rows.get((i, 'fwd+bwd')))}"
-          for i in compiled) + " |")
-    lines.append("")
+  lines += per_contender_table(results, "## compile time, fwd / fwd+bwd (s)", COMPILE_MEASURE,
+                               lambda r: r.get("compile_s"), 2)
+  # Where the hypervisor took CPU time during the timings (a shared virtual machine).
+  lines += stolen_table(results, cpus)
   return "\n".join(lines)
 
 
@@ -697,7 +757,7 @@ def setting(machine: str | None):
 def _write(out_dir: pathlib.Path, stem: str, record: dict, device: str) -> str:
   """Writes the JSON record and the markdown table; returns the table."""
   (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=1))
-  table = markdown(record["results"], device)
+  table = markdown(record["results"], device, record.get("cpu_count"))
   (out_dir / f"{stem}.md").write_text(table)
   return table
 

@@ -66,6 +66,8 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
   if importlib.util.find_spec("resource") is not None:  # each timed call's page faults
     assert all(len(r["minor_faults"]) == r["repeats"] for r in record["results"]), record
     assert "## page faults a call" in (tmp_path / f"{stem[1]}.md").read_text()
+  if run.stolen_seconds() is not None:  # and the CPU time the hypervisor took meanwhile
+    assert all(len(r["stolen_s"]) == r["repeats"] for r in record["results"]), record
   assert record["lead_in"] == 1  # each led in by an untimed call of its own
   # ... and by untimed calls for at least 30 ms on a CPU (PyTorch's threads spin on)
   assert record["lead_in_s"] == (0.0 if as_gpu else 0.03)
@@ -179,6 +181,43 @@ def test_timings_count_each_calls_page_faults():
   # At least one a 2 MiB page: numpy asks for transparent huge pages (here: 544 faults).
   assert all(f >= pages // 512 for f in timed["fresh"]["minor_faults"]), timed["fresh"]
   assert all(f < pages // 1000 for f in timed["reused"]["minor_faults"]), timed["reused"]
+
+
+def test_stolen_seconds_reads_the_steal_field_of_proc_stat(tmp_path):
+  run = load_benchmark("run")
+  stat = tmp_path / "stat"
+  stat.write_text("cpu  70470 0 7240 131408 448 0 285 34826 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
+  assert run.stolen_seconds(str(stat)) == pytest.approx(34826 / os.sysconf("SC_CLK_TCK"))
+  stat.write_text("cpu  70470 0 7240 131408\n")  # a kernel without the field
+  assert run.stolen_seconds(str(stat)) is None
+  assert run.stolen_seconds(str(tmp_path / "missing")) is None
+  if pathlib.Path("/proc/stat").exists():  # this machine's: a count that never goes back
+    first = run.stolen_seconds()
+    assert first is not None and 0 <= first <= run.stolen_seconds()
+
+
+def test_timings_keep_the_cpu_time_stolen_during_each_call(monkeypatch):
+  """Each timed call's steal time is the counter's rise over that call alone,
+  and the tables show it as a share of the timed calls' CPU time."""
+  run = load_benchmark("run")
+  clock = {"stolen": 100.0}
+  def stolen_seconds():  # the hypervisor takes 5 ms between any two readings
+    clock["stolen"] += 0.005
+    return clock["stolen"]
+  monkeypatch.setattr(run, "stolen_seconds", stolen_seconds)
+  timed = run._time_interleaved({"a": lambda: time.sleep(0.02), "b": lambda: None},
+                                repeats=4, warmup=1, rounds=2, lead_in=0)
+  assert timed["a"]["stolen_s"] == pytest.approx([0.005] * 4)
+  a = dict(timed["a"], shape="s", impl="a", phase="fwd")
+  expected = 100 * 0.02 / (sum(a["times_s"]) * 2)  # 4 calls of 5 ms, on 2 CPUs
+  assert 8 < expected <= 12.5  # sleeps of at least 20 ms
+  assert run.stolen_percent(a, 2) == pytest.approx(expected)
+  table = "\n".join(run.stolen_table([a], cpus=2))
+  assert "## CPU time stolen by the hypervisor, fwd / fwd+bwd (%)" in table
+  assert f"| s | {expected:.1f} / — |" in table, table
+  # Nothing stolen, or nothing recorded: no table.
+  assert run.stolen_table([dict(a, stolen_s=[0.0] * 4)], cpus=2) == []
+  assert run.stolen_table([dict(a, stolen_s=None)], cpus=2) == []
 
 
 @pytest.mark.parametrize("lead_in", [0, 1])
