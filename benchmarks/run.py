@@ -222,9 +222,10 @@ def stolen_seconds(stat: str = "/proc/stat") -> float | None:
   """CPU time the hypervisor ran other guests while this machine's CPUs were
   ready to run (`steal` in `/proc/stat`, summed over every CPU), in seconds
   since boot; None where unknown (no `/proc/stat`: not Linux; no such field).
-  On a shared virtual machine the same code then runs slower: the quick grid
-  of session 71 took 4.66 ms for a call that ran 2.28 ms on the same kind of
-  machine in session 62 (benchmarks/NOTES.md)."""
+  On a shared virtual machine the same code then runs slower: session 71's
+  first quick grid, on a host that had lost 14% of its CPU time so since boot,
+  took 9:08 against 4:12 for the next run, in a quieter stretch
+  (benchmarks/NOTES.md)."""
   try:
     with open(stat) as f:
       fields = f.readline().split()
