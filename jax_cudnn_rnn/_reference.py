@@ -173,7 +173,7 @@ def input_bias(mode, bW, bR):
 
 
 def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul,
-                   joined=False, last_cells=False):
+                   joined=False, last_cells=False, x_t=None):
   """One step of every direction, given its input pre-activations `xps[d]`
   (with the input bias). `cs` is None without a cell state. `valid_t`: None,
   the step's `[B]` mask for every direction, or a tuple of each direction's
@@ -186,6 +186,10 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul,
   where `c` runs on unmasked past the sequence's end and `c_last` is what
   the mask keeps, the state at the last valid step
   (`_xla._carries_last_cells` says why); the hidden state is masked as ever.
+  `x_t` (a tuple over directions of the step's inputs, or None): each
+  direction's `R[d]` is its input and recurrent matrices stacked,
+  `[in + H, g*H]`, multiplied by the input and state side by side, and
+  `xps[d]` holds the input bias alone (`_xla._stacks_weights`).
 
   Returns `(hs, cs, outs, res)`, tuples over directions.
   """
@@ -193,7 +197,10 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul,
   whole = jnp.concatenate(hs, -1) if joined else None
   new_hs, new_cs, outs, res = [], [], [], []
   for d in range(len(hs)):
-    rec = matmul(whole if joined else hs[d], R[d])
+    if x_t is not None:
+      rec = matmul(jnp.concatenate([x_t[d], hs[d]], -1), R[d])
+    else:
+      rec = matmul(whole if joined else hs[d], R[d])
     if gru:
       rec = rec + lift(bR[d], rec.ndim)
     c_prev = cs[d] if lstm else None
@@ -214,7 +221,7 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul,
 
 
 def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
-                 joined=False, last_cells=False):
+                 joined=False, last_cells=False, stacked=False):
   """The forward recurrence of one layer, all directions in one `lax.scan`.
 
   `xs`, `h0`, `c0`, `R`, `bW`, `bR` (and `W`, unless None: skip_input) are
@@ -224,7 +231,8 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
   pre-activations with the input bias, `rec` the recurrent ones (with the
   recurrent bias for GRU only), `res` anything to stack over time; `joined`
   and `last_cells` as `recurrent_step`'s (with `last_cells`, `c0` and `cT`
-  hold its pairs).
+  hold its pairs). `stacked`: `R[d]` is each direction's input and recurrent
+  matrices stacked (`recurrent_step`'s `x_t`), and W is not read.
 
   Returns per-direction tuples `(ys, hT, cT, res)`.
   """
@@ -233,9 +241,12 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
 
   def step(carry, inputs):
     x_t, valid_t = inputs
-    xps = project_inputs(x_t, W, in_bias, g, matmul)
+    if stacked:
+      xps = [lift(b, 2) for b in in_bias]
+    else:
+      xps = project_inputs(x_t, W, in_bias, g, matmul)
     hs, cs, outs, res = recurrent_step(mode, cell, R, bR, *carry, xps, valid_t, matmul,
-                                       joined, last_cells)
+                                       joined, last_cells, x_t if stacked else None)
     return (hs, cs), (outs, res)
 
   carry0 = (tuple(h0), None if c0 is None else tuple(c0))

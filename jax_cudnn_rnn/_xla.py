@@ -109,6 +109,10 @@ single call from Python per token is the other common way to decode; so
 one-step calls keep the opaque blocks, faster than before in both patterns but
 for the smallest models' single call (GRU B1 I64 H128: 25 -> 57 us); all
 figures from one process, interleaved (benchmarks/NOTES.md, session 22).
+A step-by-step forward alone of an LSTM or a plain RNN, one direction, stacks
+its two transposed matrices instead and multiplies `[x_t, h]` by them, one
+product a step, the transposes one pass (`_stacks_weights`; LSTM B8 T32 I64
+H128 1.07-1.16x faster, session 72).
 
 The per-step recurrence and the per-layer plumbing are the reference's
 (`_reference.recurrent_step`, `_reference.forward_scan`,
@@ -350,25 +354,79 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
     W = None if W is None else tuple(w.T for w in W)
     R = tuple(r.T for r in R)
     matmul = functools.partial(_opaque_matmul, operands, widen)
-  # Pins the prepared weights and biases, so that XLA hoists their slicing
-  # (and transposes) out of a loop around this call (the module docstring).
-  W, R, bW, bR = jax.lax.optimization_barrier((W, R, bW, bR))
   if coefficients:
     chunk = _chunks.derivative_chunk(mode, xs, h0, R)
   else:
     chunk = _chunks.forward_chunk(mode, xs, W, R, lanes)
+  stacked = not coefficients and _stacks_weights(mode, operands, xs, W, R, chunk, joined)
+  if stacked:
+    R, W = tuple(jnp.concatenate([w, r]) for w, r in zip(W, R)), None
+  # Pins the prepared weights and biases, so that XLA hoists their slicing
+  # (and transposes) out of a loop around this call (the module docstring).
+  W, R, bW, bR = jax.lax.optimization_barrier((W, R, bW, bR))
   last_cells = _carries_last_cells(mode, valid, coefficients)
   if last_cells:
     c0 = tuple((c, c) for c in c0)
   if chunk == 1:
     ys, hT, cT, res = _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR,
-                                              matmul, joined, last_cells)
+                                              matmul, joined, last_cells, stacked)
   else:
     ys, hT, cT, res = _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk,
                                     joined, last_cells)
   if last_cells:
     cT = tuple(c_last for _, c_last in cT)
   return ys, hT, cT, res
+
+
+# A step-by-step forward's weights, stacked. Traced on the 2-core Xeon with AMX
+# (jax 0.10.2, LSTM B8 T32 I64 H128, float32; benchmarks/NOTES.md, session 72),
+# the call spent its extra time against Flax's scan before the loop: each
+# matrix sliced out of the buffer and then transposed (XLA:CPU transposes at
+# about 1.2 ns an element, a plain copy at 0.5), 12 thunks against Flax's 10;
+# given its matrices already transposed, the same program ran 1.06-1.20 ms
+# against the library's 1.33-1.60 and Flax's 1.14-1.22. Stacked, the
+# transposes are one pass writing `[in + H, g*H]` (`copy_concatenate_fusion`),
+# the entry 9 thunks, and each step one product and 8 thunks. Forward, ms, two
+# products -> stacked, interleaved in one process, one figure a process:
+# LSTM B8 T32 I64 H128 1.554 -> 1.357, 1.642 -> 1.503, 1.497 -> 1.287, 1.698
+# -> 1.549, 1.473 -> 1.382 (Flax's scan 1.225 in the first); B16 T50 I64 H128
+# 3.58 -> 3.46, 3.80 -> 3.43, 3.96 -> 3.48, 4.22 -> 3.59, 3.84 -> 3.77; B4 T8
+# I32 H64 0.249 -> 0.226, 0.306 -> 0.242; B16 T50 I128 H128 4.40 -> 4.10,
+# 5.12 -> 4.96; B16 T20 I128 H256 4.98 -> 4.64, 6.25 -> 5.65; B8 T20 I256
+# H256 (2 MiB stacked) 5.95 -> 4.46, 4.84 -> 4.39, 5.51 -> 5.25; B32 T20 I256
+# H256 10.22 -> 9.98, 11.90 -> 11.71. Past 2 MiB it lost (`STACKED_MAX_BYTES`):
+# I512 H256 9.58 -> 10.15, 10.77 -> 12.46; I256 H384 10.77 -> 10.61, 12.38 ->
+# 15.31; I256 H512 18.4 -> 22.9; I512 H512 25.9 -> 39.0, 26.8 -> 39.9. No
+# gain where tried and left out: two directions (B16 T50 I64 H128 7.28 ->
+# 7.42, 7.64 -> 7.43, 7.49 -> 7.11, 7.67 -> 7.71, 6.89 -> 7.12), the
+# derivative's step-by-step forward (LSTM B64 T32 I64 H128 forward+backward
+# 21.4 -> 21.1, 24.7 -> 24.7, 28.2 -> 25.9, 24.1 -> 26.6), a bfloat16 model's
+# (B16 T50 I64 H128 2.19 -> 2.22, 2.10 -> 2.30). A GRU stacked with zero
+# blocks (`[x, h] @ [[W_rz, W_n, 0], [R_rz, 0, R_n]]`, a third more work),
+# prototyped alone, lost: B8 T32 I64 H128 0.91 -> 1.23, B64 T32 6.45 -> 8.06.
+# Between processes the same program moved by up to 10% here, so each figure
+# above is one process's interleaved pair.
+STACKED_MAX_BYTES = 2 << 20
+
+
+def _stacks_weights(mode, operands, xs, W, R, chunk, joined) -> bool:
+  """Whether a step-by-step forward (`chunk` 1) multiplies each step's input
+  and state side by side by the two matrices stacked (`[x_t, h] @ [W; R]`,
+  `_reference.recurrent_step`'s `x_t`): one product a step instead of two,
+  and one pass over the weights before the loop. For an LSTM's and the plain
+  RNNs' layers with an input matrix (a GRU's `n` gate keeps its two terms
+  apart), for the forward alone (the caller's `coefficients` False), in one
+  direction and one lane, products in the model's own dtype (`operands`
+  None: not a bfloat16 model), where the weights are transposed
+  (`_reads_opaque_orientation`: not for one step or one sequence), and the
+  stacked matrix takes at most `STACKED_MAX_BYTES`."""
+  if (chunk != 1 or mode == "gru" or W is None or joined or operands is not None
+      or len(xs) != 1):
+    return False
+  return (not _reads_opaque_orientation(xs[0])
+          and ((W[0].shape[0] + R[0].shape[0]) * R[0].shape[1] * R[0].dtype.itemsize
+               <= STACKED_MAX_BYTES)
+          and jax.default_backend() == "cpu")
 
 
 def _carries_last_cells(mode, valid, coefficients) -> bool:

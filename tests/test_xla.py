@@ -17,6 +17,7 @@ import functools
 import itertools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -975,6 +976,55 @@ def test_opaque_orientation_only_for_one_step_or_one_sequence():
   assert not reads(2, 2, 4) and not reads(32, 8, 4)
   t, b = jax.export.symbolic_shape("t, b")
   assert not reads(t, b, 4) and reads(1, b, 4) and reads(t, 1, 4)
+
+
+def _products_per_step(fn, *args) -> int:
+  """The products in the body of the one `scan` of `fn`'s jaxpr."""
+  scans = [e for e in jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
+           if e.primitive.name == "scan"]
+  assert len(scans) == 1, len(scans)
+  return sum(len(list(_dots(sub))) for sub in jax.extend.core.jaxprs_in_params(scans[0].params))
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+def test_step_by_step_forward_stacks_its_weights(cls, dtype):
+  """Step by step, one direction, the forward alone of an LSTM and of the
+  plain RNNs multiplies input and state side by side by the stacked matrices,
+  one product a step (`_xla._stacks_weights`); a GRU keeps two. Values against
+  the reference, with lengths too, and the rule's bounds."""
+  spec = cls(1, 4, 5, dtype=dtype)
+  x, h, c = random_inputs(spec, 6, 3)
+  params = spec.init_params(jax.random.key(3))
+  stacks = cls is not jcr.CudnnGRU
+  fast = lambda *a, seq_lengths=None: _xla.rnn(spec, *a, seq_lengths=seq_lengths)
+  assert _products_per_step(fast, x, h, c, params) == (1 if stacks else 2)
+  assert _products_per_step(lambda *a: _reference.rnn(spec, *a), x, h, c, params) == 2
+  tol = TOL if dtype == jnp.float64 else dict(rtol=2e-6, atol=2e-6)
+  for seq_lengths in (None, _lengths(6)):
+    for a, b in zip(jax.jit(functools.partial(fast, seq_lengths=seq_lengths))(x, h, c, params),
+                    jax.jit(lambda *a: _reference.rnn(spec, *a, seq_lengths=seq_lengths))(
+                        x, h, c, params)):
+      if b is not None:
+        np.testing.assert_allclose(a, b, **tol)
+  # Not in the derivative's forward, nor in a bidirectional or skip_input layer,
+  # nor past `STACKED_MAX_BYTES`, nor in chunks.
+  W, R = jnp.zeros((5, 4 * spec.num_gates)), jnp.zeros((4, 4 * spec.num_gates))
+  xs = (jnp.zeros((6, 3, 5)),)
+  assert _xla._stacks_weights(spec.rnn_mode, None, xs, (W,), (R,), 1, False) == stacks
+  assert not _xla._stacks_weights(spec.rnn_mode, None, xs * 2, (W,) * 2, (R,) * 2, 1, False)
+  assert not _xla._stacks_weights(spec.rnn_mode, None, xs, None, (R,), 1, False)
+  assert not _xla._stacks_weights(spec.rnn_mode, None, xs, (W,), (R,), 2, False)
+  assert not _xla._stacks_weights(spec.rnn_mode, jnp.bfloat16, xs, (W,), (R,), 1, False)
+  assert not _xla._stacks_weights(spec.rnn_mode, None, (jnp.zeros((1, 3, 5)),), (W,), (R,),
+                                  1, False)
+  H = 256
+  big = lambda I: ((jax.ShapeDtypeStruct((I, 4 * H), jnp.float32),),
+                   (jax.ShapeDtypeStruct((H, 4 * H), jnp.float32),))
+  largest = _xla.STACKED_MAX_BYTES // (4 * H * 4) - H  # the widest input stacked
+  assert _xla._stacks_weights("lstm", None, xs, *big(largest), 1, False)
+  assert not _xla._stacks_weights("lstm", None, xs, *big(largest + 1), 1, False)
 
 
 def _loop_states(hlo: str) -> list[str]:
