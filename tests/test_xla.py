@@ -1008,8 +1008,8 @@ def test_step_by_step_forward_stacks_its_weights(cls, dtype):
                         x, h, c, params)):
       if b is not None:
         np.testing.assert_allclose(a, b, **tol)
-  # Not in the derivative's forward, nor in a bidirectional or skip_input layer,
-  # nor past `STACKED_MAX_BYTES`, nor in chunks.
+  # Not in a bidirectional or skip_input layer, nor for bfloat16 operands, one
+  # step or in chunks, nor past `STACKED_MAX_BYTES`.
   W, R = jnp.zeros((5, 4 * spec.num_gates)), jnp.zeros((4, 4 * spec.num_gates))
   xs = (jnp.zeros((6, 3, 5)),)
   assert _xla._stacks_weights(spec.rnn_mode, None, xs, (W,), (R,), 1, False) == stacks
