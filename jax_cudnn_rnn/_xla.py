@@ -358,7 +358,7 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
     chunk = _chunks.derivative_chunk(mode, xs, h0, R)
   else:
     chunk = _chunks.forward_chunk(mode, xs, W, R, lanes)
-  stacked = not coefficients and _stacks_weights(mode, operands, xs, W, R, chunk, joined)
+  stacked = not coefficients and _stacks_weights(mode, operands, xs, W, R, chunk)
   if stacked:
     R, W = tuple(jnp.concatenate([w, r]) for w, r in zip(W, R)), None
   # Pins the prepared weights and biases, so that XLA hoists their slicing
@@ -409,18 +409,19 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 STACKED_MAX_BYTES = 2 << 20
 
 
-def _stacks_weights(mode, operands, xs, W, R, chunk, joined) -> bool:
+def _stacks_weights(mode, operands, xs, W, R, chunk) -> bool:
   """Whether a step-by-step forward (`chunk` 1) multiplies each step's input
   and state side by side by the two matrices stacked (`[x_t, h] @ [W; R]`,
   `_reference.recurrent_step`'s `x_t`): one product a step instead of two,
   and one pass over the weights before the loop. For an LSTM's and the plain
   RNNs' layers with an input matrix (a GRU's `n` gate keeps its two terms
   apart), for the forward alone (the caller's `coefficients` False), in one
-  direction and one lane, products in the model's own dtype (`operands`
+  direction and one lane (`xs` holds one: lanes, by batch or by unit, are
+  directions of their own), products in the model's own dtype (`operands`
   None: not a bfloat16 model), where the weights are transposed
   (`_reads_opaque_orientation`: not for one step or one sequence), and the
   stacked matrix takes at most `STACKED_MAX_BYTES`."""
-  if (chunk != 1 or mode == "gru" or W is None or joined or operands is not None
+  if (chunk != 1 or mode == "gru" or W is None or operands is not None
       or len(xs) != 1):
     return False
   return (not _reads_opaque_orientation(xs[0])

@@ -1012,19 +1012,18 @@ def test_step_by_step_forward_stacks_its_weights(cls, dtype):
   # step or in chunks, nor past `STACKED_MAX_BYTES`.
   W, R = jnp.zeros((5, 4 * spec.num_gates)), jnp.zeros((4, 4 * spec.num_gates))
   xs = (jnp.zeros((6, 3, 5)),)
-  assert _xla._stacks_weights(spec.rnn_mode, None, xs, (W,), (R,), 1, False) == stacks
-  assert not _xla._stacks_weights(spec.rnn_mode, None, xs * 2, (W,) * 2, (R,) * 2, 1, False)
-  assert not _xla._stacks_weights(spec.rnn_mode, None, xs, None, (R,), 1, False)
-  assert not _xla._stacks_weights(spec.rnn_mode, None, xs, (W,), (R,), 2, False)
-  assert not _xla._stacks_weights(spec.rnn_mode, jnp.bfloat16, xs, (W,), (R,), 1, False)
-  assert not _xla._stacks_weights(spec.rnn_mode, None, (jnp.zeros((1, 3, 5)),), (W,), (R,),
-                                  1, False)
+  assert _xla._stacks_weights(spec.rnn_mode, None, xs, (W,), (R,), 1) == stacks
+  assert not _xla._stacks_weights(spec.rnn_mode, None, xs * 2, (W,) * 2, (R,) * 2, 1)
+  assert not _xla._stacks_weights(spec.rnn_mode, None, xs, None, (R,), 1)
+  assert not _xla._stacks_weights(spec.rnn_mode, None, xs, (W,), (R,), 2)
+  assert not _xla._stacks_weights(spec.rnn_mode, jnp.bfloat16, xs, (W,), (R,), 1)
+  assert not _xla._stacks_weights(spec.rnn_mode, None, (jnp.zeros((1, 3, 5)),), (W,), (R,), 1)
   H = 256
   big = lambda I: ((jax.ShapeDtypeStruct((I, 4 * H), jnp.float32),),
                    (jax.ShapeDtypeStruct((H, 4 * H), jnp.float32),))
   largest = _xla.STACKED_MAX_BYTES // (4 * H * 4) - H  # the widest input stacked
-  assert _xla._stacks_weights("lstm", None, xs, *big(largest), 1, False)
-  assert not _xla._stacks_weights("lstm", None, xs, *big(largest + 1), 1, False)
+  assert _xla._stacks_weights("lstm", None, xs, *big(largest), 1)
+  assert not _xla._stacks_weights("lstm", None, xs, *big(largest + 1), 1)
 
 
 def _loop_states(hlo: str) -> list[str]:
