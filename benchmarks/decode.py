@@ -257,6 +257,7 @@ def markdown(results: list[dict], device: str, steps: int, asynchronous: bool = 
     lines += [f"## {pattern}", ""]
     lines += grid_run.ratio_table(section, ours, present, "per_token_s", "us", 1e6, 1)
     lines.append("")
+  lines += grid_run.paired_table(results, ours, "pattern", ("loop", "step", "eager"))
   lines += grid_run.stolen_table(results, cpus, "pattern", ("loop", "step", "eager"))
   return "\n".join(lines)
 

@@ -31,7 +31,7 @@ unrolls its steps, and a user pays that once per shape.
 
 Writes `<out-dir>/<machine>-<date>.json` (every figure, versions, device),
 `<machine>-<date>.md` (ratios of each peer's time to ours: > 1 means we are
-faster) and `<machine>-<date>.png` (when matplotlib is installed: it is in the
+faster; the same ratios paired round by round, with their spread, `paired_table`) and `<machine>-<date>.png` (when matplotlib is installed: it is in the
 `test` extra; `--plot` draws the PNG of a run recorded without it).
 """
 
@@ -252,6 +252,11 @@ STOLEN_MEASURE = ("the steal time of `/proc/stat` during the contender's timed c
                   "as a share of their wall time on all {cpus} CPUs (CPU time the "
                   "hypervisor gave to other guests: on a shared virtual machine, figures "
                   "taken while it is high run slower, for every contender in that stretch)")
+PAIRED_MEASURE = ("each timing of the peer divided by ours taken at the same place in the same "
+                  "round-robin round (`_time_interleaved`: seconds apart at most), so that a "
+                  "stretch that slows the machine slows both sides of a ratio; the median of "
+                  "those ratios, and in brackets their middle half (interquartile range): "
+                  "where that range holds 1.00x, the two traded places from round to round")
 COMPILE_MEASURE = ("wall time of `jax.jit(f).lower(*args).compile()`, once per phase, in "
                    "one process after a warm-up compile (no persistent compilation cache); "
                    "PyTorch runs eagerly and has none")
@@ -553,6 +558,44 @@ def per_contender_table(results: list[dict], title: str, measure: str, value, di
   return out + [""]
 
 
+def paired_ratios(mine: dict | None, theirs: dict | None) -> np.ndarray | None:
+  """`theirs`' timings divided by `mine`'s, each by the one of the same index
+  (`PAIRED_MEASURE`): `_time_interleaved` times every contender in turn, the same
+  number of times a round, so the i-th timings of two contenders of one run fell in
+  one round. None where either record is missing or the two hold no timings of
+  equal count (records of different runs, or of a contender that failed)."""
+  a, b = (None if r is None else r.get("times_s") for r in (mine, theirs))
+  if not a or not b or len(a) != len(b):
+    return None
+  return np.asarray(b, float) / np.asarray(a, float)
+
+
+def paired_table(results: list[dict], ours: str, key: str = "phase",
+                 kinds: tuple = ("fwd", "fwd+bwd")) -> list[str]:
+  """The lines of a markdown table of `paired_ratios` against `ours`: per shape,
+  a column per peer and kind of `record[key]` where any shape has them, each
+  cell the ratios' median and [quartiles]; none where no pair has timings."""
+  records = {(r["shape"], r["impl"], r[key]): r for r in results}
+  shapes = list(dict.fromkeys(r["shape"] for r in results))
+  cells = {}
+  for (shape, impl, kind), r in records.items():
+    ratios = None if impl == ours else paired_ratios(records.get((shape, ours, kind)), r)
+    if ratios is not None:
+      q1, median, q3 = np.percentile(ratios, [25, 50, 75])
+      cells[shape, impl, kind] = f"{median:.2f}x [{q1:.2f}-{q3:.2f}]"
+  columns = [(impl, kind) for impl in sorted({impl for _, impl, _ in cells})
+             for kind in kinds if any((s, impl, kind) in cells for s in shapes)]
+  if not columns:
+    return []
+  out = ["## each peer's time / ours, paired by round", "", f"Measure: {PAIRED_MEASURE}.", "",
+         "| shape | " + " | ".join(f"{impl} {kind}" for impl, kind in columns) + " |",
+         "|---|" + "---:|" * len(columns)]
+  for shape in shapes:
+    out.append(f"| {shape} | " + " | ".join(cells.get((shape, impl, kind), "—")
+                                            for impl, kind in columns) + " |")
+  return out + [""]
+
+
 def stolen_table(results: list[dict], cpus: int | None, key: str = "phase",
                  kinds: tuple = ("fwd", "fwd+bwd")) -> list[str]:
   """`per_contender_table` of `stolen_percent`, where the hypervisor took any
@@ -586,6 +629,7 @@ def markdown(results: list[dict], device: str, cpus: int | None = None) -> str:
                  + " | ".join(cell(rows.get(p)) for p in peers) + " |")
     return out + [""]
 
+  lines += paired_table(results, ours)
   lines += training_table(
       "## memory, fwd+bwd (MiB)", MEMORY_MEASURE,
       lambda r: "—" if r is None or r.get("memory_bytes") is None else

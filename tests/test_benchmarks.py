@@ -129,6 +129,22 @@ def test_benchmark_runs_end_to_end(as_gpu, tmp_path, monkeypatch, capsys):
       ratio = results[peer, phase]["median_s"] / mine
       assert float(cells[3 + 2 * k].rstrip("x")) == pytest.approx(ratio, abs=0.006)
 
+  # The ratios paired round by round: a column per peer and phase, each cell the
+  # median of the peer's timings over ours' taken in the same round, and the quartiles.
+  section = table.split("## each peer's time / ours, paired by round\n")[1].split("##")[0]
+  header, _, row = [line for line in section.splitlines() if line.startswith("|")][:3]
+  columns = [c.strip() for c in header.strip("|").split("|")][1:]
+  assert columns == [f"{p} {phase}" for p in peers for phase in ("fwd", "fwd+bwd")], header
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  assert cells[0] == shape.name
+  for column, cell in zip(columns, cells[1:]):
+    peer, phase = column.split(" ")
+    ratios = (np.array(results[peer, phase]["times_s"])
+              / np.array(results[ours, phase]["times_s"]))
+    median, q1, q3 = (float(v) for v in re.fullmatch(r"(\S+)x \[(\S+)-(\S+)\]", cell).groups())
+    assert median == pytest.approx(np.median(ratios), abs=0.006), (column, cell)
+    assert (q1, q3) == pytest.approx(tuple(np.percentile(ratios, [25, 75])), abs=0.006)
+
   # The compile times: a column per JAX contender (not PyTorch), "fwd / fwd+bwd" seconds.
   section = table.split("## compile time, fwd / fwd+bwd (s)\n")[1].split("##")[0]
   header, _, row = [line for line in section.splitlines() if line.startswith("|")][:3]
@@ -425,6 +441,36 @@ def test_a_shape_where_ours_failed_shows_no_other_figure_as_ours():
   assert lines[2] == "| a | 2.00 | 1.00 | 0.50x | 3.00 | 1.50x |"
   assert lines[3] == "| b | — | 1.00 | — | 4.00 | — |"
   assert "Ours = `ours-cudnn`:" in run.markdown(results, "gpu:test")
+
+
+def test_paired_ratios_divide_the_timings_of_one_round():
+  # Hand-computed: a machine that slowed down in the second round slowed both sides
+  # there, so each round's ratio is 2; the medians' ratio (4 / 2) also reads 2, but
+  # pairs nothing. Timings of unequal count (another run's, say) pair nothing.
+  run = load_benchmark("run")
+  mine = {"times_s": [1.0, 4.0, 2.0]}
+  assert run.paired_ratios(mine, {"times_s": [2.0, 8.0, 4.0]}).tolist() == [2.0, 2.0, 2.0]
+  assert run.paired_ratios(mine, {"times_s": [3.0, 2.0, 1.0]}).tolist() == [3.0, 0.5, 0.5]
+  assert run.paired_ratios(mine, {"times_s": [1.0, 2.0]}) is None
+  assert run.paired_ratios(mine, {"median_s": 1.0}) is None
+  assert run.paired_ratios(None, mine) is None
+
+  def result(shape, impl, phase, times):
+    return {"shape": shape, "impl": impl, "phase": phase, "times_s": times,
+            "median_s": float(np.median(times))}
+  results = [result("a", "ours-xla", "fwd", [1.0, 2.0, 4.0, 1.0]),
+             result("a", "flax-scan", "fwd", [2.0, 1.0, 4.0, 3.0]),  # 2, 0.5, 1, 3
+             result("a", "ours-xla", "fwd+bwd", [1.0, 1.0, 1.0, 1.0]),
+             result("b", "ours-xla", "fwd", [1.0, 1.0]),
+             result("b", "torch", "fwd", [1.5, 2.5])]  # 1.5, 2.5
+  lines = run.paired_table(results, "ours-xla")
+  assert lines[0] == "## each peer's time / ours, paired by round"
+  # No pair has a fwd+bwd timing: no column for it; a shape without the peer: "—".
+  assert lines[4] == "| shape | flax-scan fwd | torch fwd |"
+  # Quartiles by linear interpolation (numpy's): of 0.5, 1, 2, 3 they are 0.875 and 2.25.
+  assert lines[6] == "| a | 1.50x [0.88-2.25] | — |"
+  assert lines[7] == "| b | — | 2.00x [1.75-2.25] |"
+  assert run.paired_table([r for r in results if r["impl"] == "ours-xla"], "ours-xla") == []
 
 
 @on_a_cpu_host

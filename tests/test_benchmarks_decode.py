@@ -103,6 +103,22 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, sync, dtype, tmp_path, monkeyp
         ratio = results[peer]["per_token_s"] / mine
         assert float(cells[3 + 2 * k].rstrip("x")) == pytest.approx(ratio, abs=0.006)
 
+  # The ratios paired round by round: a column per peer and pattern, each cell the
+  # median of the peer's timings over ours' of the same round, and the quartiles.
+  section = table.split("## each peer's time / ours, paired by round\n")[1].split("##")[0]
+  rows = [line for line in section.splitlines() if line.startswith("|")]
+  columns = [c.strip() for c in rows[0].strip("|").split("|")][1:]
+  assert set(columns) == {f"{i} {p}" for i, p in timed if i != ours}, columns
+  for shape, row in zip(tiny, rows[2:]):
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == shape.name
+    for column, cell in zip(columns, cells[1:]):
+      peer, pattern = column.split(" ")
+      results = {r["impl"]: r for r in record["results"]
+                 if r["shape"] == shape.name and r["pattern"] == pattern}
+      ratios = np.array(results[peer]["times_s"]) / np.array(results[ours]["times_s"])
+      assert cell.startswith(f"{np.median(ratios):.2f}x ["), (column, cell)
+
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_contenders_decode_the_same_recurrence_shapes(dtype):
