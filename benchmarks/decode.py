@@ -31,7 +31,8 @@ run's shapes and files say so (`-bfloat16`).
 
 Writes `<out-dir>/decode-<machine>-<date>.json` (every figure, the versions,
 the device) and `.md` (ratios of each peer's time to ours: > 1 means we are
-faster).
+faster; and the same ratios paired round by round, with their spread:
+`run.paired_table`).
 
     python benchmarks/decode.py --sync-dispatch
 
