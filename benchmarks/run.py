@@ -31,8 +31,9 @@ unrolls its steps, and a user pays that once per shape.
 
 Writes `<out-dir>/<machine>-<date>.json` (every figure, versions, device),
 `<machine>-<date>.md` (ratios of each peer's time to ours: > 1 means we are
-faster; the same ratios paired round by round, with their spread, `paired_table`) and `<machine>-<date>.png` (when matplotlib is installed: it is in the
-`test` extra; `--plot` draws the PNG of a run recorded without it).
+faster; the same ratios paired round by round, with their spread, `paired_table`)
+and `<machine>-<date>.png` (when matplotlib is installed: it is in the `test`
+extra; `--plot` draws the PNG of a run recorded without it).
 """
 
 from __future__ import annotations
