@@ -445,8 +445,8 @@ def test_a_shape_where_ours_failed_shows_no_other_figure_as_ours():
 
 def test_paired_ratios_divide_the_timings_of_one_round():
   # Hand-computed: a machine that slowed down in the second round slowed both sides
-  # there, so each round's ratio is 2; the medians' ratio (4 / 2) also reads 2, but
-  # pairs nothing. Timings of unequal count (another run's, say) pair nothing.
+  # there, so each round's ratio is 2. Timings of unequal count (another run's, say)
+  # pair nothing.
   run = load_benchmark("run")
   mine = {"times_s": [1.0, 4.0, 2.0]}
   assert run.paired_ratios(mine, {"times_s": [2.0, 8.0, 4.0]}).tolist() == [2.0, 2.0, 2.0]

@@ -103,8 +103,8 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, sync, dtype, tmp_path, monkeyp
         ratio = results[peer]["per_token_s"] / mine
         assert float(cells[3 + 2 * k].rstrip("x")) == pytest.approx(ratio, abs=0.006)
 
-  # The ratios paired round by round: a column per peer and pattern, each cell the
-  # median of the peer's timings over ours' of the same round, and the quartiles.
+  # The ratios paired round by round: a column per peer and pattern, each cell
+  # opening with the median of the peer's timings over ours' of the same round.
   section = table.split("## each peer's time / ours, paired by round\n")[1].split("##")[0]
   rows = [line for line in section.splitlines() if line.startswith("|")]
   columns = [c.strip() for c in rows[0].strip("|").split("|")][1:]
