@@ -109,6 +109,10 @@ single call from Python per token is the other common way to decode; so
 one-step calls keep the opaque blocks, faster than before in both patterns but
 for the smallest models' single call (GRU B1 I64 H128: 25 -> 57 us); all
 figures from one process, interleaved (benchmarks/NOTES.md, session 22).
+But a one-step call that sees it runs in a loop closing over its weights
+(`weights_from_enclosing_trace`: a decoder's `lax.scan`) multiplies by them
+transposed where the recurrent matrix is small (`_transposes_in_loop`; LSTM
+B8 I64 H128, 64 steps: 52.7 -> 40.8 us a token, Flax's cell 36.1; session 74).
 A step-by-step forward alone of an LSTM or a plain RNN, one direction, stacks
 its two transposed matrices instead and multiplies `[x_t, h]` by them, one
 product a step, the transposes one pass (`_stacks_weights`; LSTM B8 T32 I64
@@ -318,6 +322,58 @@ def _reads_opaque_orientation(x: jax.Array) -> bool:
   return any(not jax.export.is_symbolic_dim(n) and n == 1 for n in x.shape[:2])
 
 
+# One step in a loop. In a decoder's `lax.scan` (or `fori_loop`, `while_loop`)
+# of one-step calls that closes over the weights, XLA hoists their slicing and
+# transposes out of the loop (the barrier in `_forward`), so that a step pays
+# for the products alone; there products against transposed weights (batch-
+# major, an LSTM's two matrices stacked: `_stacks_weights`) beat the opaque
+# blocks' feature-major ones where the recurrent matrix is small, while a
+# single call, which pays for the transposes, loses with them (session 70: by
+# 20-94%). A call cannot see a loop around it, but it can see where its
+# operands come from (`weights_from_enclosing_trace`). 2-core Xeon with AMX,
+# jax 0.10.2, float32, a 64-step scan of one-step calls, us a token, opaque
+# -> transposed (Flax's cells), interleaved in one process
+# (benchmarks/NOTES.md, session 74): LSTM I64 H128 B8 52.7 -> 40.8 (36.1) and
+# 45.6 -> 36.7 (32.7), B4 29.1 -> 21.4 (18.0); I128 H128 B16 97.3 -> 91.5
+# (79.1); GRU I64 H128 B8 39.8 -> 29.2 (32.2) and 39.3 -> 30.8 (31.9). Larger
+# matrices went both ways (GRU I128 H256 B16 180.8 -> 174.4, B32 277.9 ->
+# 246.3, but GRU I256 H256 B8 146.3 -> 149.9; LSTM I128 H256 B32 381.5 ->
+# 361.8, but LSTM I256 H256 B8 151.3 -> 178.4, 157.9 unstacked, 2 layers 315.6
+# -> 374.1, I128 H512 B8 381.1 -> 476.5), and so did one sequence (LSTM I64
+# H128 B1 12.9 -> 14.8, matrix-vector products): those keep the opaque blocks.
+# Not measured for bfloat16 products (`operands`), which keep them too.
+LOOP_TRANSPOSED_MAX_BYTES = 256 * 1024  # of a direction's R, included
+
+
+def weights_from_enclosing_trace(params, operands) -> bool:
+  """Whether `params` is a tracer of a trace enclosing the call's own, where
+  some of `operands` (the input and states; None for absent ones) are
+  tracers of another: the call runs in a loop body (or a `cond` branch, a
+  nested `jit`, `vmap` under `jit`) that closes over its weights. A
+  decoder's `lax.scan` of one-step calls does; a jitted call given its
+  weights as an argument, an eager call, or a loop carrying its weights does
+  not. Read from the tracers' `_trace`, JAX's own attribute (not public API):
+  a JAX that keeps it elsewhere answers False, and calls keep the single-call
+  form, as before this rule."""
+  outer = getattr(params, "_trace", None) if isinstance(params, jax.core.Tracer) else None
+  if outer is None:
+    return False
+  return any(isinstance(a, jax.core.Tracer) and getattr(a, "_trace", outer) is not outer
+             for a in operands if a is not None)
+
+
+def _transposes_in_loop(operands, xs, R) -> bool:
+  """Whether a one-step forward in a loop that closes over its weights
+  multiplies by them transposed (the comment above): one step on more than
+  one sequence, the model's own float32 products (`operands` None), a
+  recurrent matrix of at most `LOOP_TRANSPOSED_MAX_BYTES`, on a CPU."""
+  steps, batch = xs[0].shape[:2]
+  return (operands is None and np.dtype(R[0].dtype) == np.float32
+          and not jax.export.is_symbolic_dim(batch) and batch > 1
+          and R[0].size * R[0].dtype.itemsize <= LOOP_TRANSPOSED_MAX_BYTES
+          and jax.default_backend() == "cpu")
+
+
 def _opaque_matmul(operands, widen, a: jax.Array, w: jax.Array) -> jax.Array:
   """`a @ w^T` for `a [..., K]` and a weight block `w [N, K]` as the opaque
   buffer holds it, multiplied feature-major: `w @ a^T`, whose result (small:
@@ -336,19 +392,23 @@ def _opaque_matmul(operands, widen, a: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lanes=1,
-             joined=False):
+             joined=False, looped=False):
   """The forward recurrence over this file's cells (`_reference.forward_scan`
   or, where the number of steps allows, `_chunked_scan`); `res` holds the
   coefficients stacked over time when `coefficients`, else empty tuples.
   `operands`: `operand_dtype` of the model; `lanes`: how many lanes of one
   direction `xs` holds (`_lanes.forward_lanes`), for the chunk length; `joined`:
-  whether they are lanes by unit (`_reference.recurrent_step`)."""
+  whether they are lanes by unit (`_reference.recurrent_step`); `looped`:
+  whether the call runs in a loop that closes over its weights
+  (`weights_from_enclosing_trace`)."""
   cell = functools.partial(_CELLS[mode], coefficients=coefficients)
   widen = _widens(xs, W, R)
   _, matmul, round_ = _products(operands, widen)
   W = None if W is None else tuple(round_(w) for w in W)
   R = tuple(round_(r) for r in R)
-  if _reads_opaque_orientation(xs[0]):
+  opaque = _reads_opaque_orientation(xs[0]) and not (
+      looped and not coefficients and _transposes_in_loop(operands, xs, R))
+  if opaque:
     # Back to the opaque buffer's `[g*H, .]` blocks (XLA cancels the two
     # transposes), multiplied as they lie.
     W = None if W is None else tuple(w.T for w in W)
@@ -358,7 +418,7 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
     chunk = _chunks.derivative_chunk(mode, xs, h0, R)
   else:
     chunk = _chunks.forward_chunk(mode, xs, W, R, lanes)
-  stacked = not coefficients and _stacks_weights(mode, operands, xs, W, R, chunk)
+  stacked = not coefficients and _stacks_weights(mode, operands, xs, W, R, chunk, opaque)
   if stacked:
     R, W = tuple(jnp.concatenate([w, r]) for w, r in zip(W, R)), None
   # Pins the prepared weights and biases, so that XLA hoists their slicing
@@ -409,7 +469,7 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 STACKED_MAX_BYTES = 2 << 20
 
 
-def _stacks_weights(mode, operands, xs, W, R, chunk) -> bool:
+def _stacks_weights(mode, operands, xs, W, R, chunk, opaque) -> bool:
   """Whether a step-by-step forward (`chunk` 1) multiplies each step's input
   and state side by side by the two matrices stacked (`[x_t, h] @ [W; R]`,
   `_reference.recurrent_step`'s `x_t`): one product a step instead of two,
@@ -418,13 +478,14 @@ def _stacks_weights(mode, operands, xs, W, R, chunk) -> bool:
   apart), for the forward alone (the caller's `coefficients` False), in one
   direction and one lane (`xs` holds one: lanes, by batch or by unit, are
   directions of their own), products in the model's own dtype (`operands`
-  None: not a bfloat16 model), where the weights are transposed
-  (`_reads_opaque_orientation`: not for one step or one sequence), and the
-  stacked matrix takes at most `STACKED_MAX_BYTES`."""
+  None: not a bfloat16 model), where the weights are transposed (not
+  `opaque`: `_reads_opaque_orientation`, for one step or one sequence, but for
+  `_transposes_in_loop`), and the stacked matrix takes at most
+  `STACKED_MAX_BYTES`."""
   if (chunk != 1 or mode == "gru" or W is None or operands is not None
       or len(xs) != 1):
     return False
-  return (not _reads_opaque_orientation(xs[0])
+  return (not opaque
           and ((W[0].shape[0] + R[0].shape[0]) * R[0].shape[1] * R[0].dtype.itemsize
                <= STACKED_MAX_BYTES)
           and jax.default_backend() == "cpu")
@@ -505,14 +566,15 @@ def _forward_in_unit_lanes(mode, operands, xs, valid, h0, c0, W, R, bW, bR):
   return join(ys), join(hT), join(cT)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _layer(mode, operands, xs, valid, h0, c0, W, R, bW, bR):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _layer(mode, operands, looped, xs, valid, h0, c0, W, R, bW, bR):
   lanes = _lanes.forward_lanes(mode, operands, xs, R)
   if lanes == "batch":
     return _forward_in_batch_lanes(mode, operands, xs, valid, h0, c0, W, R, bW, bR)
   if lanes == "units":
     return _forward_in_unit_lanes(mode, operands, xs, valid, h0, c0, W, R, bW, bR)
-  ys, hT, cT, _ = _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients=False)
+  ys, hT, cT, _ = _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients=False,
+                           looped=looped)
   return ys, hT, cT
 
 
@@ -567,7 +629,7 @@ def _weight_tangent_matmul(mode, operands, matmul, dtype):
   return functools.partial(_rounded_dot.matmul, operands=dtype)
 
 
-def _layer_jvp(mode, operands, primals, tangents):
+def _layer_jvp(mode, operands, looped, primals, tangents):
   xs, valid, h0, c0, W, R, bW, bR = primals
   txs, _, th0, tc0, tW, tR, tbW, tbR = tangents
   ys, hT, cT, res = _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients=True)
@@ -695,12 +757,18 @@ def _layer_jvp(mode, operands, primals, tangents):
 _layer.defjvp(_layer_jvp, symbolic_zeros=True)
 
 
-def run_layer(spec, x, h0, c0, blocks, layer, seq_lengths):
+def run_layer(spec, x, h0, c0, blocks, layer, seq_lengths, looped=False):
   """`_reference._run_layer` over this file's recurrence, for `spec`'s dtype;
-  `blocks` the `_reference.param_blocks` of the opaque buffer."""
-  recurrence = lambda mode, *args: _layer(mode, operand_dtype(spec.dtype), *args)
+  `blocks` the `_reference.param_blocks` of the opaque buffer; `looped` as
+  `_forward`'s."""
+  recurrence = lambda mode, *args: _layer(mode, operand_dtype(spec.dtype), looped, *args)
   return _reference._run_layer(spec, x, h0, c0, blocks, layer, seq_lengths,
                                recurrence=recurrence)
 
 
-rnn = functools.partial(_reference.rnn, run_layer=run_layer)
+def rnn(spec, x, h0, c0, params, **options):
+  """`_reference.rnn` over `run_layer`: the "xla" path's whole RNN, its
+  options `_reference.rnn`'s."""
+  looped = weights_from_enclosing_trace(params, (x, h0, c0))
+  return _reference.rnn(spec, x, h0, c0, params,
+                        run_layer=functools.partial(run_layer, looped=looped), **options)

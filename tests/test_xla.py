@@ -978,6 +978,91 @@ def test_opaque_orientation_only_for_one_step_or_one_sequence():
   assert not reads(t, b, 4) and reads(1, b, 4) and reads(t, 1, 4)
 
 
+def test_weights_from_enclosing_trace():
+  """A call sees a loop that closes over its weights: the weights a tracer of
+  an enclosing trace, its input or states tracers of its own. Not a jitted
+  call given them as an argument, an eager call, weights closed over as
+  concrete values, nor a loop that carries them."""
+  seen = []
+
+  def one(p, x):
+    seen.append(_xla.weights_from_enclosing_trace(p, (x, None)))
+    return x + jnp.sum(p)
+
+  p, x = jnp.ones(3), jnp.ones(2)
+  jax.jit(one)(p, x)
+  one(p, x)
+  jax.jit(lambda x: one(p, x))(x)
+  jax.jit(lambda p, x: jax.lax.scan(lambda c, _: ((c[0], one(*c)), None), (p, x), None,
+                                    length=2)[0])(p, x)
+  assert seen == [False] * 4
+  seen.clear()
+  jax.jit(lambda p, x: jax.lax.scan(lambda c, _: (one(p, c), None), x, None, length=2)[0])(p, x)
+  jax.jit(lambda p, x: jax.lax.fori_loop(0, 2, lambda i, c: one(p, c), x))(p, x)
+  assert seen == [True, True]
+
+
+def _decoder(spec, rnn, carried=False):
+  """A decoder's loop: `rnn` one step at a time, 4 steps, each step's output
+  the next step's input, in a `lax.scan` that closes over the weights (or,
+  `carried`, carries them); returns the outputs and the final states."""
+  def decode(x, h, c, params):
+    def step(carry, _):
+      if carried:
+        p, (x, h, c) = carry[0], carry[1]
+      else:
+        p, (x, h, c) = params, carry
+      y, h, c = rnn(spec, x, h, c, p)
+      new = (jnp.tanh(y), h, c)
+      return ((p, new) if carried else new), y[0]
+    carry, ys = jax.lax.scan(step, ((params, (x, h, c)) if carried else (x, h, c)), None,
+                             length=4)
+    return ys, *(carry[1] if carried else carry)[1:]
+  return decode
+
+
+def _products_per_token(decode, *args) -> int:
+  """The products in the body of `_decoder`'s loop (its 4 steps), nested ones too."""
+  loops = [e for e in jax.make_jaxpr(decode)(*args).jaxpr.eqns
+           if e.primitive.name == "scan" and e.params["length"] == 4]
+  assert len(loops) == 1, len(loops)
+  return len(list(_dots(loops[0].params["jaxpr"])))
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
+  """A one-step float32 call in a loop that closes over its weights, on more
+  than one sequence, with a small recurrent matrix, multiplies by them
+  transposed (`_xla._transposes_in_loop`: XLA hoists the transposes out of
+  the loop): an LSTM's and the plain RNNs' two matrices stacked, one product
+  a step (`_products_per_token`), a GRU's two; the
+  loop carrying its weights, one sequence, or a larger matrix keep the
+  opaque blocks (two products). Values and gradients against the
+  reference's loop."""
+  spec = cls(1, 8, 8, dtype=jnp.float32)  # the output is the next step's input
+  x, h, c = random_inputs(spec, 1, 3)
+  params = spec.init_params(jax.random.key(3))
+  stacks = cls is not jcr.CudnnGRU
+  fast, slow = _decoder(spec, _xla.rnn), _decoder(spec, _reference.rnn)
+  assert _products_per_token(fast, x, h, c, params) == (1 if stacks else 2)
+  assert _products_per_token(_decoder(spec, _xla.rnn, carried=True), x, h, c, params) == 2
+  one = tuple(None if a is None else a[:, :1] for a in (x, h, c))
+  assert _products_per_token(fast, *one, params) == 2
+  tol = dict(rtol=2e-6, atol=2e-6)
+  for a, b in zip(jax.jit(fast)(x, h, c, params), jax.jit(slow)(x, h, c, params)):
+    if b is not None:
+      np.testing.assert_allclose(a, b, **tol)
+  loss = lambda rnn: lambda x, h, p: jnp.sum(jnp.sin(rnn(x, h, c, p)[0]))
+  for a, b in zip(jax.jit(jax.grad(loss(fast), argnums=(0, 1, 2)))(x, h, params),
+                  jax.jit(jax.grad(loss(slow), argnums=(0, 1, 2)))(x, h, params)):
+    np.testing.assert_allclose(a, b, **tol)
+  large = cls(1, 384, 384, dtype=jnp.float32)  # R: 576 KiB (RNN) to 2.25 MiB (LSTM)
+  assert 384 * 384 * 4 > _xla.LOOP_TRANSPOSED_MAX_BYTES
+  assert _products_per_token(_decoder(large, _xla.rnn), *random_inputs(large, 1, 3),
+                            large.init_params(jax.random.key(3))) == 2
+
+
 def _products_per_step(fn, *args) -> int:
   """The products in the body of the one `scan` of `fn`'s jaxpr."""
   scans = [e for e in jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
@@ -1009,21 +1094,28 @@ def test_step_by_step_forward_stacks_its_weights(cls, dtype):
       if b is not None:
         np.testing.assert_allclose(a, b, **tol)
   # Not in a bidirectional or skip_input layer, nor for bfloat16 operands, one
-  # step or in chunks, nor past `STACKED_MAX_BYTES`.
+  # step (in the opaque orientation; but transposed in a loop: `opaque` False)
+  # or in chunks, nor past `STACKED_MAX_BYTES`.
+  def stacks_weights(mode, operands, xs, W, R, chunk, opaque=None):
+    opaque = _xla._reads_opaque_orientation(xs[0]) if opaque is None else opaque
+    return _xla._stacks_weights(mode, operands, xs, W, R, chunk, opaque)
+
   W, R = jnp.zeros((5, 4 * spec.num_gates)), jnp.zeros((4, 4 * spec.num_gates))
   xs = (jnp.zeros((6, 3, 5)),)
-  assert _xla._stacks_weights(spec.rnn_mode, None, xs, (W,), (R,), 1) == stacks
-  assert not _xla._stacks_weights(spec.rnn_mode, None, xs * 2, (W,) * 2, (R,) * 2, 1)
-  assert not _xla._stacks_weights(spec.rnn_mode, None, xs, None, (R,), 1)
-  assert not _xla._stacks_weights(spec.rnn_mode, None, xs, (W,), (R,), 2)
-  assert not _xla._stacks_weights(spec.rnn_mode, jnp.bfloat16, xs, (W,), (R,), 1)
-  assert not _xla._stacks_weights(spec.rnn_mode, None, (jnp.zeros((1, 3, 5)),), (W,), (R,), 1)
+  assert stacks_weights(spec.rnn_mode, None, xs, (W,), (R,), 1) == stacks
+  assert not stacks_weights(spec.rnn_mode, None, xs * 2, (W,) * 2, (R,) * 2, 1)
+  assert not stacks_weights(spec.rnn_mode, None, xs, None, (R,), 1)
+  assert not stacks_weights(spec.rnn_mode, None, xs, (W,), (R,), 2)
+  assert not stacks_weights(spec.rnn_mode, jnp.bfloat16, xs, (W,), (R,), 1)
+  assert not stacks_weights(spec.rnn_mode, None, (jnp.zeros((1, 3, 5)),), (W,), (R,), 1)
+  assert stacks_weights(spec.rnn_mode, None, (jnp.zeros((1, 3, 5)),), (W,), (R,), 1,
+                        opaque=False) == stacks
   H = 256
   big = lambda I: ((jax.ShapeDtypeStruct((I, 4 * H), jnp.float32),),
                    (jax.ShapeDtypeStruct((H, 4 * H), jnp.float32),))
   largest = _xla.STACKED_MAX_BYTES // (4 * H * 4) - H  # the widest input stacked
-  assert _xla._stacks_weights("lstm", None, xs, *big(largest), 1)
-  assert not _xla._stacks_weights("lstm", None, xs, *big(largest + 1), 1)
+  assert stacks_weights("lstm", None, xs, *big(largest), 1)
+  assert not stacks_weights("lstm", None, xs, *big(largest + 1), 1)
 
 
 def _loop_states(hlo: str) -> list[str]:
