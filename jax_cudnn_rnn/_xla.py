@@ -367,7 +367,7 @@ def _transposes_in_loop(operands, xs, R) -> bool:
   multiplies by them transposed (the comment above): one step on more than
   one sequence, the model's own float32 products (`operands` None), a
   recurrent matrix of at most `LOOP_TRANSPOSED_MAX_BYTES`, on a CPU."""
-  steps, batch = xs[0].shape[:2]
+  batch = xs[0].shape[1]  # asked where `_reads_opaque_orientation`: one step if batch > 1
   return (operands is None and np.dtype(R[0].dtype) == np.float32
           and not jax.export.is_symbolic_dim(batch) and batch > 1
           and R[0].size * R[0].dtype.itemsize <= LOOP_TRANSPOSED_MAX_BYTES
