@@ -1036,10 +1036,9 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   than one sequence, with a small recurrent matrix, multiplies by them
   transposed (`_xla._transposes_in_loop`: XLA hoists the transposes out of
   the loop): an LSTM's and the plain RNNs' two matrices stacked, one product
-  a step (`_products_per_token`), a GRU's two; the
-  loop carrying its weights, one sequence, or a larger matrix keep the
-  opaque blocks (two products). Values and gradients against the
-  reference's loop."""
+  a step (`_products_per_token`), a GRU's two; the loop carrying its
+  weights, one sequence, or a larger matrix keep the opaque blocks (two
+  products). Values and gradients against the reference's loop."""
   spec = cls(1, 8, 8, dtype=jnp.float32)  # the output is the next step's input
   x, h, c = random_inputs(spec, 1, 3)
   params = spec.init_params(jax.random.key(3))
