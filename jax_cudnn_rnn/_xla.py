@@ -133,7 +133,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_cudnn_rnn import _chunks, _lanes, _reference, _rounded_dot, _spec
+from jax_cudnn_rnn import _chunks, _lanes, _one_step, _reference, _rounded_dot, _spec
 
 
 def _blocksum(u: jax.Array, blocks: int) -> jax.Array:
@@ -566,8 +566,17 @@ def _forward_in_unit_lanes(mode, operands, xs, valid, h0, c0, W, R, bW, bR):
   return join(ys), join(hT), join(cT)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _layer(mode, operands, looped, xs, valid, h0, c0, W, R, bW, bR):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _layer(mode, operands, looped, plan, xs, valid, h0, c0, W, R, bW, bR, buffer):
+  """One layer's forward, all directions: `(ys, hT, cT)`. `operands` as
+  `operand_dtype`; `looped` as `_forward`'s; `plan`: None, or the
+  `_one_step.Plan` by which a one-step call multiplies the whole opaque
+  `buffer` (flat, in the computation dtype; else None) rather than `W` and
+  `R`, the same weights sliced out of it. The derivative (`_layer_jvp`) reads
+  `W` and `R`, and gives `buffer` no tangent of its own: the caller's `W`
+  and `R` are slices of it, through which its tangent reaches the output."""
+  if plan is not None:
+    return _one_step.forward(mode, plan, xs, valid, h0, c0, bW, bR, buffer)
   lanes = _lanes.forward_lanes(mode, operands, xs, R)
   if lanes == "batch":
     return _forward_in_batch_lanes(mode, operands, xs, valid, h0, c0, W, R, bW, bR)
@@ -629,9 +638,9 @@ def _weight_tangent_matmul(mode, operands, matmul, dtype):
   return functools.partial(_rounded_dot.matmul, operands=dtype)
 
 
-def _layer_jvp(mode, operands, looped, primals, tangents):
-  xs, valid, h0, c0, W, R, bW, bR = primals
-  txs, _, th0, tc0, tW, tR, tbW, tbR = tangents
+def _layer_jvp(mode, operands, looped, plan, primals, tangents):
+  xs, valid, h0, c0, W, R, bW, bR, _ = primals
+  txs, _, th0, tc0, tW, tR, tbW, tbR, _ = tangents
   ys, hT, cT, res = _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients=True)
   D, g = len(xs), _spec.NUM_GATES[mode]
   T, B = xs[0].shape[:2]
@@ -760,8 +769,15 @@ _layer.defjvp(_layer_jvp, symbolic_zeros=True)
 def run_layer(spec, x, h0, c0, blocks, layer, seq_lengths, looped=False):
   """`_reference._run_layer` over this file's recurrence, for `spec`'s dtype;
   `blocks` the `_reference.param_blocks` of the opaque buffer; `looped` as
-  `_forward`'s."""
-  recurrence = lambda mode, *args: _layer(mode, operand_dtype(spec.dtype), looped, *args)
+  `_forward`'s. A one-step call may multiply the whole buffer
+  (`_one_step.plan`), which joining the blocks gives back: XLA folds their
+  split and the join away."""
+  plan = _one_step.plan(spec, layer, x, looped)
+  buffer = None
+  if plan is not None:
+    buffer = jnp.concatenate([b.reshape(-1) for b in blocks.values()])
+  recurrence = lambda mode, *args: _layer(mode, operand_dtype(spec.dtype), looped, plan, *args,
+                                          buffer)
   return _reference._run_layer(spec, x, h0, c0, blocks, layer, seq_lengths,
                                recurrence=recurrence)
 

@@ -1,0 +1,159 @@
+"""A single one-step call that multiplies the whole opaque buffer at once.
+
+DESIGN §4 has no module for this: it is one rule of the "xla" path's forward
+(`_xla._layer`), kept here beside its measurements, as `_lanes` and `_chunks`
+keep theirs.
+
+A one-step call (T = 1: decoding, one jitted call per token) multiplies each
+weight matrix once. Read from the opaque buffer, a matrix is a slice, and
+XLA:CPU copies a slice that a product reads: for a GRU I256 H256 two 768 KiB
+copies, memory-bound, which took longer than the products (traced, B8: the
+copies 54 + 113 us, the products 98 + 65; benchmarks/NOTES.md, session 74).
+Viewed as `[N/k, k]`, the whole buffer is a bitcast, not a copy, where every
+block starts on a row: `k` divides every layer's input size and `H`, as then
+every block's size does. So the call multiplies the whole view by the layer's
+input and states cut into `k`-wide pieces, side by side (`P @ [x; h]^T`), and
+takes each matrix's product out of the small result: its rows, and of those
+the columns of the pieces it meets. That multiplies every row by every piece
+(for one layer of I = H = k, twice the products' arithmetic, and every other
+layer's rows besides), which a small batch does not notice where the copies
+dominate.
+
+Where it gained, and where it did not. In a loop that closes over its weights
+(a decoder's `lax.scan` of one-step calls) XLA hoists the slices' copies out
+of the loop, and the whole buffer multiplied every step lost (session 51: GRU
+B32 I256 H256 146.8 -> 204.6 us a token, LSTM B8 I64 H128 15.0 -> 30.1); a
+call that sees such a loop (`_xla.weights_from_enclosing_trace`) keeps the
+slices. A single call, one process, interleaved, us (the slices -> the whole
+buffer; Flax's cells): session 51, GRU I256 H256 B8 131.0 -> 78.3 (85.7), two
+layers B1 126.5 -> 85.6 (91.2); LSTM B8 I256 H256 157.1 -> 109.5 (177.4); but
+at k = 128, B32 (LSTM I128 H256 263.5 -> 388.7; GRU 222.7 -> 258.4) and at k
+= 64 (GRU I64 H128 B8 43.4 -> 49.3) it lost. Session 74, GRU I256 H256: B1
+330 -> 224 (172), B8 563 -> 336 (291), B16 625 -> 466 (403), B32 875 -> 685
+(609); I128 H128 B8 158 -> 184 (128). Hence `MIN_PIECE` and `MAX_BATCH`.
+Measured for float32 models on a CPU only: other dtypes, and other backends,
+keep the slices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cudnn_rnn import _layout, _reference, _spec
+
+MIN_PIECE = 256
+MAX_EXTRA_PRODUCTS = {"lstm": 24, "gru": 32, "rnn_tanh": 32, "rnn_relu": 32}
+
+
+class Plan(NamedTuple):
+  """Where one layer's matrices lie in the buffer viewed as `[rows, piece]`.
+
+  `inputs`: the layer's input size (None under skip_input: no input matrix);
+  `w_rows[d]`, `r_rows[d]`: the first row of direction `d`'s input and
+  recurrent matrices (None for the input one under skip_input)."""
+  piece: int
+  rows: int
+  inputs: int | None
+  hidden: int
+  w_rows: tuple
+  r_rows: tuple
+
+
+def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
+  """The plan of `layer`'s one-step call over the whole buffer, or None where
+  it multiplies sliced matrices (`_xla._forward`): a call not in a loop that
+  closes over its weights (`looped`), one step (`x [T, B, in]`, time-major,
+  in the computation dtype), a float32 model, every layer's input size and `H`
+  multiples of a piece of at least `MIN_PIECE`, and at most
+  `MAX_EXTRA_PRODUCTS` multiplications more than the layer's own products
+  need for each weight they no longer copy (`extra_products`), on a CPU."""
+  steps, batch = x.shape[:2]
+  if looped or not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
+    return None
+  if steps != 1 or np.dtype(x.dtype) != np.float32:
+    return None
+  if np.dtype(spec.dtype) != np.float32 or jax.default_backend() != "cpu":
+    return None
+  piece = math.gcd(spec.num_units, *(spec.layer_input_size(l) for l in range(spec.num_layers)))
+  if piece < MIN_PIECE or extra_products(spec, layer, batch, piece) > MAX_EXTRA_PRODUCTS[
+      spec.rnn_mode]:
+    return None
+  weights, _ = _layout.tensors(spec)
+  first = {(t.direction, t.index // spec.num_gates): t.offset // piece
+           for t in weights if t.layer == layer and t.index % spec.num_gates == 0}
+  dirs = range(spec.num_dirs)
+  has_w = spec.layer_has_input_weights(layer)
+  return Plan(piece, _layout.params_size(spec) // piece,
+              spec.layer_input_size(layer) if has_w else None, spec.num_units,
+              tuple(first[d, 0] if has_w else None for d in dirs),
+              tuple(first[d, 1] for d in dirs))
+
+
+def extra_products(spec, layer: int, batch: int, piece: int) -> float:
+  """The multiplications the whole buffer's product makes beyond those of
+  `layer`'s own products, per element of the layer's matrices (what the
+  slices would copy): every element of the buffer's matrices times every
+  piece of every sequence, less the layer's own elements times the sequences
+  (the biases' few rows aside). One layer of one direction with I = H =
+  `piece`: the batch."""
+  D, H = spec.num_dirs, spec.num_units
+  has_w = spec.layer_has_input_weights(layer)
+  inputs = spec.layer_input_size(layer) if has_w else 0
+  own = D * spec.num_gates * H * (inputs + H)
+  pieces = (inputs + D * H) // piece
+  matrices = sum(t.size for t in _layout.tensors(spec)[0])
+  return batch * (matrices * pieces / own - 1)
+
+
+def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
+  """One step of every direction of a layer, as `_xla._forward` without
+  coefficients returns it, `(ys, hT, cT)`, its products taken from one
+  product of the whole `buffer` (flat, in the computation dtype). Arguments
+  as `_reference.forward_scan`'s, but `xs[0]` alone is read: at one step
+  every direction's input is the same, but where a sequence is empty, whose
+  outputs the mask drops."""
+  k, g, H = plan.piece, _spec.NUM_GATES[mode], plan.hidden
+  x = xs[0][0]
+  B = x.shape[0]
+  x_pieces = [] if plan.inputs is None else [x[:, p * k:(p + 1) * k]
+                                             for p in range(plan.inputs // k)]
+  h_pieces = [h[:, q * k:(q + 1) * k] for h in h0 for q in range(H // k)]
+  stacked = jnp.concatenate(x_pieces + h_pieces, 0)  # [pieces * B, k]
+  view = buffer.reshape(plan.rows, k)
+  product = jax.lax.dot_general(view, stacked, (((1,), (1,)), ((), ())))
+  # The small product transposed after a barrier, as `_xla._opaque_matmul`'s:
+  # else XLA may rewrite the pair into a product against the transposed view.
+  product = jax.lax.optimization_barrier(product)
+
+  def matrix(row, width, first_piece):
+    """`[B, g*H]`: the matrix at `row`, of `width` columns, times its pieces."""
+    m = width // k
+    block = product[row:row + g * H * m].reshape(g * H, m, -1)
+    parts = [block[:, p, (first_piece + p) * B:(first_piece + p + 1) * B] for p in range(m)]
+    return sum(parts[1:], parts[0]).T
+
+  in_bias = _reference.input_bias(mode, bW, bR)
+  valid_t = None if valid is None else valid[0]
+  ys, hT, cT = [], [], []
+  for d in range(len(h0)):
+    if plan.inputs is None:
+      xp = _reference.project(x, None, g)
+    else:
+      xp = matrix(plan.w_rows[d], plan.inputs, 0)
+    xp = xp + _reference.lift(in_bias[d], 2)
+    rec = matrix(plan.r_rows[d], H, len(x_pieces) + d * (H // k))
+    if mode == "gru":
+      rec = rec + _reference.lift(bR[d], 2)
+    c_prev = None if c0 is None else c0[d]
+    h, c = _reference._cell(mode, xp, rec, h0[d], c_prev)
+    h, c, out = _reference.mask(valid_t, h, c, h0[d], c_prev)
+    ys.append(out[None])
+    hT.append(h)
+    cT.append(c)
+  return tuple(ys), tuple(hT), None if c0 is None else tuple(cT)
+

@@ -1,0 +1,203 @@
+"""A single one-step call multiplying the whole opaque buffer (`_one_step`):
+its values against numpy's RNN, its derivatives against the reference, and
+its rule's bounds."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cudnn_rnn as jcr
+from jax_cudnn_rnn import _one_step, _reference, _xla
+from helpers import SPEC_CLASSES, call, jaxpr_equations, random_canonical, random_inputs
+from numpy_rnn import numpy_rnn
+
+
+@pytest.fixture
+def cpu_host(monkeypatch):
+  """The rule as on a CPU host, which alone takes it (`_one_step.plan`); on a
+  GPU host (`benchmarks/gpu_session.sh`'s suite) the programs are a CPU's,
+  their values still checked."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+
+
+def _whole_buffer_products(fn, *args) -> list:
+  """The shapes of the left operands of `fn`'s products that multiply the
+  whole buffer viewed as `[rows, piece]`, nested ones too."""
+  eqns = jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
+  return [e.invars[0].aval.shape for e in eqns if e.primitive.name == "dot_general"
+          and e.invars[0].aval.ndim == 2 and e.invars[0].aval.size == args[-1].size]
+
+
+def _numpy(spec, weights, biases, x, h, c, lengths=None):
+  up = lambda a: None if a is None else np.asarray(a, np.float64)
+  return numpy_rnn(spec.rnn_mode, spec.num_layers, spec.direction == "bidirectional",
+                   spec.input_mode == "skip_input", [up(w) for w in weights],
+                   [up(b) for b in biases], up(x), up(h), up(c), seq_lengths=lengths)
+
+
+def _small_pieces(monkeypatch):
+  """The rule for small models: pieces from 4 elements, any extra products."""
+  monkeypatch.setattr(_one_step, "MIN_PIECE", 4)
+  monkeypatch.setattr(_one_step, "MAX_EXTRA_PRODUCTS", dict.fromkeys(_one_step.MAX_EXTRA_PRODUCTS,
+                                                                     np.inf))
+
+
+# Small models through the rule with a piece of 4: one, two or three pieces of the
+# input, both directions, skip_input, three layers.
+SMALL = [(1, 8, 8, "unidirectional", "linear_input"),
+         (2, 8, 12, "bidirectional", "linear_input"),
+         (3, 4, 4, "bidirectional", "skip_input"),
+         (2, 12, 4, "unidirectional", "linear_input")]
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("layers,units,inputs,direction,input_mode", SMALL)
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_whole_buffer_values_match_numpy(cls, layers, units, inputs, direction, input_mode,
+                                         monkeypatch):
+  """One jitted one-step call: one product of the whole buffer a layer, and
+  values (outputs, final states) equal to numpy's RNN in float64, to float32
+  rounding, with and without lengths (an empty sequence keeps its states)."""
+  _small_pieces(monkeypatch)
+  spec = cls(layers, units, inputs, direction=direction, input_mode=input_mode,
+             dtype=jnp.float32)
+  weights, biases = random_canonical(spec, seed=2)
+  params = spec.canonical_to_params(weights, biases)
+  x, h, c = random_inputs(spec, 1, 5)
+  piece = math.gcd(units, inputs)  # layer 1's input, a multiple of the units, adds nothing
+  rows = spec.params_size() // piece
+  for lengths in (None, np.array([1, 0, 1, 1, 0], np.int32)):
+    run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla",
+                                  seq_lengths=lengths)
+    assert _whole_buffer_products(run, x, h, c, params) == [(rows, piece)] * layers
+    got = jax.jit(run)(x, h, c, params)
+    want = _numpy(spec, weights, biases, x, h, c, lengths)
+    for a, b in zip(got, want):
+      if b is not None:
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_whole_buffer_at_its_own_sizes(cls):
+  """The rule as it is, no bound patched: a one-layer model of I = H = 256 on
+  8 sequences, and a bidirectional two-layer one of I = 512 (two pieces of the
+  input, four of layer 1's) on 2, against numpy."""
+  for spec, batch in ((cls(1, 256, 256, dtype=jnp.float32), 8),
+                      (cls(2, 256, 512, direction="bidirectional", dtype=jnp.float32), 2)):
+    weights, biases = random_canonical(spec, seed=4, scale=0.1)
+    params = spec.canonical_to_params(weights, biases)
+    x, h, c = random_inputs(spec, 1, batch)
+    run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla")
+    assert _whole_buffer_products(run, x, h, c, params) == [
+        (spec.params_size() // 256, 256)] * spec.num_layers
+    for a, b in zip(jax.jit(run)(x, h, c, params), _numpy(spec, weights, biases, x, h, c)):
+      if b is not None:
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=1e-4, atol=1e-5)
+
+
+def _loss(rnn, spec, lengths):
+  def f(x, h, c, params):
+    y, h_out, c_out = rnn(spec, x, h, c, params, seq_lengths=lengths)
+    total = jnp.sum(jnp.sin(y)) + jnp.sum(h_out ** 2)
+    return total if c_out is None else total + jnp.sum(1.5 * c_out)
+  return f
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_whole_buffer_derivatives_match_reference(cls, monkeypatch):
+  """The derivatives of a call that takes the whole buffer: gradients with
+  respect to every operand, the buffer's included (its tangent reaches the
+  output through the slices the derivative reads, `_xla._layer`), a JVP,
+  and values under `vmap` over an ensemble of buffers, against the
+  reference; two bidirectional layers, with lengths."""
+  _small_pieces(monkeypatch)
+  spec = cls(2, 8, 8, direction="bidirectional", dtype=jnp.float32)
+  x, h, c = random_inputs(spec, 1, 3)
+  params = spec.init_params(jax.random.key(5))
+  lengths = jnp.array([1, 0, 1], jnp.int32)
+  fast, slow = _loss(_xla.rnn, spec, lengths), _loss(_reference.rnn, spec, lengths)
+  assert _whole_buffer_products(lambda *a: _xla.rnn(spec, *a), x, h, c, params)
+  argnums = (0, 1, 3) if c is None else (0, 1, 2, 3)
+  tol = dict(rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.jit(jax.grad(fast, argnums))(x, h, c, params),
+                  jax.jit(jax.grad(slow, argnums))(x, h, c, params)):
+    np.testing.assert_allclose(a, b, **tol)
+  rng = np.random.default_rng(6)
+  tangents = [rng.normal(size=np.shape(a)).astype(np.float32) for a in (x, h, params)]
+  jvp = lambda f: jax.jit(lambda x, h, p, tx, th, tp: jax.jvp(
+      lambda x, h, p: f(x, h, c, p), (x, h, p), (tx, th, tp)))(x, h, params, *tangents)
+  for a, b in zip(jvp(fast), jvp(slow)):
+    np.testing.assert_allclose(a, b, **tol)
+  ensemble = jnp.stack([params, 0.5 * params])
+  vmapped = lambda rnn: jax.jit(jax.vmap(lambda p: rnn(spec, x, h, c, p)))(ensemble)
+  for a, b in zip(vmapped(_xla.rnn), vmapped(_reference.rnn)):
+    if b is not None:
+      np.testing.assert_allclose(a, b, **tol)
+
+
+@pytest.mark.usefixtures("cpu_host")
+def test_whole_buffer_rule():
+  """Where a one-step call takes the whole buffer (`_one_step.plan`): not in a
+  loop that closes over its weights, not over more than one step, not for a
+  float64 or bfloat16 model, not with a piece below 256 (I128 H256), nor past
+  `MAX_EXTRA_PRODUCTS` (hand-counted by `extra_products`), nor on a GPU."""
+  gru, lstm = jcr.CudnnGRU(1, 256, 256), jcr.CudnnLSTM(1, 256, 256)
+  step = lambda batch, dtype=jnp.float32, steps=1: jax.ShapeDtypeStruct((steps, batch, 256),
+                                                                        dtype)
+  plan = _one_step.plan(gru, 0, step(32), looped=False)
+  assert plan == _one_step.Plan(256, gru.params_size() // 256, 256, 256, (0,), (768,))
+  assert _one_step.plan(gru, 0, step(32), looped=True) is None
+  assert _one_step.plan(gru, 0, step(8, steps=2), looped=False) is None
+  assert _one_step.plan(jcr.CudnnGRU(1, 256, 256, dtype=jnp.float64), 0,
+                        step(8, jnp.float64), looped=False) is None
+  assert _one_step.plan(jcr.CudnnGRU(1, 256, 256, dtype=jnp.bfloat16), 0, step(8),
+                        looped=False) is None
+  assert _one_step.plan(jcr.CudnnGRU(1, 256, 128), 0, jax.ShapeDtypeStruct((1, 8, 128),
+                                                                          jnp.float32),
+                        looped=False) is None
+  # One layer of I = H: the extra products per copied element are the batch.
+  assert _one_step.extra_products(gru, 0, 33, 256) == 33
+  assert _one_step.plan(gru, 0, step(33), looped=False) is None
+  assert _one_step.plan(lstm, 0, step(24), looped=False) is not None
+  assert _one_step.plan(lstm, 0, step(25), looped=False) is None
+  # Three layers of one unit of matrices each: the buffer's 3 units times 2
+  # pieces (x, h), less the layer's own unit, per unit: 5 a sequence.
+  assert _one_step.extra_products(jcr.CudnnGRU(3, 256, 256), 1, 4, 256) == 20
+  # Bidirectional, layer 0, in units of `[4H, 256]`: the buffer's 2 * 2 (I 256)
+  # + 2 * 3 (layer 1's I 512) units times 3 pieces (x, both states), less the
+  # layer's own 4, per own unit: 6.5 a sequence.
+  assert _one_step.extra_products(jcr.CudnnLSTM(2, 256, 256, direction="bidirectional"), 0,
+                                  2, 256) == 13
+  b, = jax.export.symbolic_shape("b")
+  assert _one_step.plan(gru, 0, jax.ShapeDtypeStruct((1, b, 256), jnp.float32),
+                        looped=False) is None
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(jax, "default_backend", lambda: "gpu")
+    assert _one_step.plan(gru, 0, step(8), looped=False) is None
+
+
+@pytest.mark.usefixtures("cpu_host")
+def test_decoders_loop_keeps_the_slices():
+  """A decoder's `lax.scan` of one-step calls closing over the buffer keeps
+  the slices, whose copies XLA hoists out of the loop; one carrying it
+  (a call that cannot tell) multiplies the whole buffer each step."""
+  spec = jcr.CudnnGRU(1, 256, 256, dtype=jnp.float32)
+  params = spec.init_params(jax.random.key(0))
+  x, h, _ = random_inputs(spec, 1, 4)
+
+  def decode(carried):
+    def run(x, h, params):
+      def body(carry, _):
+        p, x, h = carry if carried else (params, *carry)
+        y, h = spec(x, h, p, False, implementation="xla")
+        return ((p, y, h) if carried else (y, h)), None
+      return jax.lax.scan(body, (params, x, h) if carried else (x, h), None, length=3)[0]
+    return run
+
+  assert _whole_buffer_products(decode(False), x, h, params) == []
+  assert len(_whole_buffer_products(decode(True), x, h, params)) == 1
