@@ -24,13 +24,29 @@ Where it gained, and where it did not. In a loop that closes over its weights
 of the loop, and the whole buffer multiplied every step lost (session 51: GRU
 B32 I256 H256 146.8 -> 204.6 us a token, LSTM B8 I64 H128 15.0 -> 30.1); a
 call that sees such a loop (`_xla.weights_from_enclosing_trace`) keeps the
-slices. A single call, one process, interleaved, us (the slices -> the whole
-buffer; Flax's cells): session 51, GRU I256 H256 B8 131.0 -> 78.3 (85.7), two
-layers B1 126.5 -> 85.6 (91.2); LSTM B8 I256 H256 157.1 -> 109.5 (177.4); but
-at k = 128, B32 (LSTM I128 H256 263.5 -> 388.7; GRU 222.7 -> 258.4) and at k
-= 64 (GRU I64 H128 B8 43.4 -> 49.3) it lost. Session 74, GRU I256 H256: B1
-330 -> 224 (172), B8 563 -> 336 (291), B16 625 -> 466 (403), B32 875 -> 685
-(609); I128 H128 B8 158 -> 184 (128). Hence `MIN_PIECE` and `MAX_BATCH`.
+slices. A single jitted call, on the 2-core Xeon with AMX, float32, one
+process per line, interleaved, us, the slices -> the whole buffer (Flax's
+cells), benchmarks/NOTES.md, session 75:
+- one layer, I = H = 256: GRU B1 (two layers) 559 -> 424 (306), B4 609 ->
+  337 (221), B8 570 -> 278 (239), B16 710 -> 424 (454), B32 857 -> 688 (582);
+  LSTM B1 (two layers) 813 -> 644 (820), B8 796 -> 319 (880), B16 945 -> 548
+  and 843 -> 524, B24 815 -> 725, but B32 970 -> 1083, 1122 -> 1184 and 923 ->
+  1104; tanh B8 587 -> 277, relu B32 645 -> 395; bidirectional GRU B8 899 ->
+  500, LSTM B8 1997 -> 997;
+- larger: GRU I512 H512 B8 1969 -> 913 (939), LSTM 3510 -> 1199 (4022);
+  LSTM I1024 H1024 B4 23373 -> 3191 (its 32 MiB of slices fault in afresh
+  on every call);
+- more layers and directions went by `extra_products` (in brackets), in a
+  process that lost time to other guests: LSTM two layers B8 1658 -> 1595
+  (24); GRU three layers B16 1848 -> 2194 (80), two B32 2103 -> 2208 (96),
+  bidirectional B32 3684 -> 4353 (64); LSTM three bidirectional layers B4
+  9636 -> 12849 (44). The bounds forgo some gains: LSTM two layers B16 2867
+  -> 2139 (48), GRU four layers B8 5619 -> 4146 (56), LSTM I1024 H1024 B32
+  30979 -> 13641 (32);
+- smaller pieces went both ways: GRU I128 H128 B8 315 -> 376 (session 74:
+  158 -> 184), LSTM 543 -> 329; I128 H256 B8 GRU 497 -> 357, LSTM 624 ->
+  429; B32 GRU 802 -> 742, LSTM 919 -> 1131; I64 H128 GRU B8 119 -> 165.
+Hence `MIN_PIECE` and `MAX_EXTRA_PRODUCTS` (an LSTM's lower: its B32 lost).
 Measured for float32 models on a CPU only: other dtypes, and other backends,
 keep the slices.
 """
