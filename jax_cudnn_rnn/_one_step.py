@@ -24,11 +24,12 @@ Where it gained, and where it did not. In a loop that closes over its weights
 of the loop, and the whole buffer multiplied every step lost (session 51: GRU
 B32 I256 H256 146.8 -> 204.6 us a token, LSTM B8 I64 H128 15.0 -> 30.1); a
 call that sees such a loop (`_xla.weights_from_enclosing_trace`) keeps the
-slices. A single jitted call, on the 2-core Xeon with AMX, float32, one
-process per line, interleaved, us, the slices -> the whole buffer (Flax's
-cells), benchmarks/NOTES.md, session 75:
-- one layer, I = H = 256: GRU B1 (two layers) 559 -> 424 (306), B4 609 ->
-  337 (221), B8 570 -> 278 (239), B16 710 -> 424 (454), B32 857 -> 688 (582);
+slices. A single jitted call, on the 2-core Xeon with AMX, float32, each
+pair interleaved in one process, us, the slices -> the whole buffer (Flax's
+cells; benchmarks/NOTES.md, session 75):
+- one layer, I = H = 256 (pieces of 256): GRU B1 (two layers) 559 -> 424
+  (306), B4 609 -> 337 (221), B8 570 -> 278 (239), B16 710 -> 424 (454), B32
+  857 -> 688 (582);
   LSTM B1 (two layers) 813 -> 644 (820), B8 796 -> 319 (880), B16 945 -> 548
   and 843 -> 524, B24 815 -> 725, but B32 970 -> 1083, 1122 -> 1184 and 923 ->
   1104; tanh B8 587 -> 277, relu B32 645 -> 395; bidirectional GRU B8 899 ->
@@ -43,10 +44,20 @@ cells), benchmarks/NOTES.md, session 75:
   9636 -> 12849 (44). The bounds forgo some gains: LSTM two layers B16 2867
   -> 2139 (48), GRU four layers B8 5619 -> 4146 (56), LSTM I1024 H1024 B32
   30979 -> 13641 (32);
-- smaller pieces went both ways: GRU I128 H128 B8 315 -> 376 (session 74:
-  158 -> 184), LSTM 543 -> 329; I128 H256 B8 GRU 497 -> 357, LSTM 624 ->
-  429; B32 GRU 802 -> 742, LSTM 919 -> 1131; I64 H128 GRU B8 119 -> 165.
-Hence `MIN_PIECE` and `MAX_EXTRA_PRODUCTS` (an LSTM's lower: its B32 lost).
+- pieces of 128, in two processes: LSTM I128 H128
+  B1 316 -> 234 and 219 -> 181, B8 927 -> 540 and 479 -> 330, B16 470 -> 390
+  and 289 -> 226; LSTM I128 H256 B8 497 -> 339 and 412 -> 326, B12 860 -> 612
+  and 605 -> 481; GRU I128 H256 B8 1186 -> 1283 and 427 -> 321 (in two
+  earlier processes 497 -> 357, 708 -> 359), B16 621 -> 547 and 543 -> 531;
+  GRU I256 H128 B4 248 -> 217 and 220 -> 182. But smaller matrices lost,
+  whose slices copy quickly: GRU I128 H128 B8 169 -> 198 and 102 -> 159 (one
+  direction's matrices 96 Ki elements; session 74, 158 -> 184), B1 189 ->
+  250; tanh I128 H256 B8 166 -> 210 and 137 -> 175 (96 Ki), I256 H128 229 ->
+  470 (48 Ki); and at B32 (`extra_products` 64) LSTM I128 H256 919 -> 1131
+  (session 51: 264 -> 389, the GRU 223 -> 258). Pieces of 64 went both ways
+  (LSTM I64 H128 B8 857 -> 470, B1 158 -> 175; GRU I64 H512 B8 1431 -> 2384).
+Hence `MIN_PIECE`, `MIN_ELEMENTS` and `MAX_EXTRA_PRODUCTS` (an LSTM's lower:
+its B32 at I = H = 256 lost).
 Measured for float32 models on a CPU only: other dtypes, and other backends,
 keep the slices.
 """
@@ -62,7 +73,8 @@ import numpy as np
 
 from jax_cudnn_rnn import _layout, _reference, _spec
 
-MIN_PIECE = 256
+MIN_PIECE = 128
+MIN_ELEMENTS = 128 * 1024
 MAX_EXTRA_PRODUCTS = {"lstm": 24, "gru": 32, "rnn_tanh": 32, "rnn_relu": 32}
 
 
@@ -85,7 +97,8 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   it multiplies sliced matrices (`_xla._forward`): a call not in a loop that
   closes over its weights (`looped`), one step (`x [T, B, in]`, time-major,
   in the computation dtype), a float32 model, every layer's input size and `H`
-  multiples of a piece of at least `MIN_PIECE`, and at most
+  multiples of a piece of at least `MIN_PIECE`, at least `MIN_ELEMENTS` in
+  a direction's matrices of the layer (`matrix_elements`), and at most
   `MAX_EXTRA_PRODUCTS` multiplications more than the layer's own products
   need for each weight they no longer copy (`extra_products`), on a CPU."""
   steps, batch = x.shape[:2]
@@ -96,8 +109,8 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   if np.dtype(spec.dtype) != np.float32 or jax.default_backend() != "cpu":
     return None
   piece = math.gcd(spec.num_units, *(spec.layer_input_size(l) for l in range(spec.num_layers)))
-  if piece < MIN_PIECE or extra_products(spec, layer, batch, piece) > MAX_EXTRA_PRODUCTS[
-      spec.rnn_mode]:
+  if (piece < MIN_PIECE or matrix_elements(spec, layer) < MIN_ELEMENTS
+      or extra_products(spec, layer, batch, piece) > MAX_EXTRA_PRODUCTS[spec.rnn_mode]):
     return None
   weights, _ = _layout.tensors(spec)
   first = {(t.direction, t.index // spec.num_gates): t.offset // piece
@@ -110,6 +123,12 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
               tuple(first[d, 1] for d in dirs))
 
 
+def matrix_elements(spec, layer: int) -> int:
+  """The elements of one direction's weight matrices of `layer`."""
+  inputs = spec.layer_input_size(layer) if spec.layer_has_input_weights(layer) else 0
+  return spec.num_gates * spec.num_units * (inputs + spec.num_units)
+
+
 def extra_products(spec, layer: int, batch: int, piece: int) -> float:
   """The multiplications the whole buffer's product makes beyond those of
   `layer`'s own products, per element of the layer's matrices (what the
@@ -118,9 +137,8 @@ def extra_products(spec, layer: int, batch: int, piece: int) -> float:
   (the biases' few rows aside). One layer of one direction with I = H =
   `piece`: the batch."""
   D, H = spec.num_dirs, spec.num_units
-  has_w = spec.layer_has_input_weights(layer)
-  inputs = spec.layer_input_size(layer) if has_w else 0
-  own = D * spec.num_gates * H * (inputs + H)
+  inputs = spec.layer_input_size(layer) if spec.layer_has_input_weights(layer) else 0
+  own = D * matrix_elements(spec, layer)
   pieces = (inputs + D * H) // piece
   matrices = sum(t.size for t in _layout.tensors(spec)[0])
   return batch * (matrices * pieces / own - 1)

@@ -39,8 +39,10 @@ def _numpy(spec, weights, biases, x, h, c, lengths=None):
 
 
 def _small_pieces(monkeypatch):
-  """The rule for small models: pieces from 4 elements, any extra products."""
+  """The rule for small models: pieces from 4 elements, any matrices, any
+  extra products."""
   monkeypatch.setattr(_one_step, "MIN_PIECE", 4)
+  monkeypatch.setattr(_one_step, "MIN_ELEMENTS", 0)
   monkeypatch.setattr(_one_step, "MAX_EXTRA_PRODUCTS", dict.fromkeys(_one_step.MAX_EXTRA_PRODUCTS,
                                                                      np.inf))
 
@@ -144,7 +146,7 @@ def test_whole_buffer_derivatives_match_reference(cls, monkeypatch):
 def test_whole_buffer_rule():
   """Where a one-step call takes the whole buffer (`_one_step.plan`): not in a
   loop that closes over its weights, not over more than one step, not for a
-  float64 or bfloat16 model, not with a piece below 256 (I128 H256), nor past
+  float64 or bfloat16 model, not with pieces below 128 or small matrices, nor past
   `MAX_EXTRA_PRODUCTS` (hand-counted by `extra_products`), nor on a GPU."""
   gru, lstm = jcr.CudnnGRU(1, 256, 256), jcr.CudnnLSTM(1, 256, 256)
   step = lambda batch, dtype=jnp.float32, steps=1: jax.ShapeDtypeStruct((steps, batch, 256),
@@ -157,9 +159,14 @@ def test_whole_buffer_rule():
                         step(8, jnp.float64), looped=False) is None
   assert _one_step.plan(jcr.CudnnGRU(1, 256, 256, dtype=jnp.bfloat16), 0, step(8),
                         looped=False) is None
-  assert _one_step.plan(jcr.CudnnGRU(1, 256, 128), 0, jax.ShapeDtypeStruct((1, 8, 128),
-                                                                          jnp.float32),
-                        looped=False) is None
+  # Pieces of 128 with a direction's matrices of 128 Ki elements (an LSTM
+  # I128 H128) or more; not a GRU's 96 Ki, nor pieces of 64.
+  narrow = lambda inputs: jax.ShapeDtypeStruct((1, 8, inputs), jnp.float32)
+  assert _one_step.plan(jcr.CudnnLSTM(1, 128, 128), 0, narrow(128), looped=False) is not None
+  assert _one_step.plan(jcr.CudnnGRU(1, 256, 128), 0, narrow(128), looped=False) is not None
+  assert _one_step.matrix_elements(jcr.CudnnGRU(1, 128, 128), 0) == 96 * 1024
+  assert _one_step.plan(jcr.CudnnGRU(1, 128, 128), 0, narrow(128), looped=False) is None
+  assert _one_step.plan(jcr.CudnnLSTM(1, 256, 64), 0, narrow(64), looped=False) is None
   # One layer of I = H: the extra products per copied element are the batch.
   assert _one_step.extra_products(gru, 0, 33, 256) == 33
   assert _one_step.plan(gru, 0, step(33), looped=False) is None
