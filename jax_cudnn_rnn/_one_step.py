@@ -9,15 +9,19 @@ weight matrix once. Read from the opaque buffer, a matrix is a slice, and
 XLA:CPU copies a slice that a product reads: for a GRU I256 H256 two 768 KiB
 copies, memory-bound, which took longer than the products (traced, B8: the
 copies 54 + 113 us, the products 98 + 65; benchmarks/NOTES.md, session 74).
-Viewed as `[N/k, k]`, the whole buffer is a bitcast, not a copy, where every
-block starts on a row: `k` divides every layer's input size and `H`, as then
-every block's size does. So the call multiplies the whole view by the layer's
-input and states cut into `k`-wide pieces, side by side (`P @ [x; h]^T`), and
-takes each matrix's product out of the small result: its rows, and of those
-the columns of the pieces it meets. That multiplies every row by every piece
-(for one layer of I = H = k, twice the products' arithmetic, and every other
-layer's rows besides), which a small batch does not notice where the copies
-dominate.
+Viewed as `[N/k, k]`, the whole buffer is a bitcast, not a copy, and where
+`k` divides the buffer's size and a block's offset, the block is whole rows
+of that view. Every size and offset is a multiple of H (a matrix holds
+`g*H` rows, a bias `H` elements a gate), so each state multiplies the view
+`H` wide as it is; the input multiplies the view as wide as itself where that
+holds rows (`_input_piece`), else the view as wide as the greatest common
+divisor of its size and H, cut into pieces that wide. Where the two views are
+one (I = H), the input and the states multiply it side by side in one product
+(`P @ [x; h]^T`). Each matrix's product is then its rows of the small result,
+and of those the columns of the pieces it meets. That multiplies every row of
+the buffer by every piece (for one layer of I = H, twice the products'
+arithmetic, and every other layer's rows besides), which a small batch does
+not notice where the copies dominate.
 
 Where it gained, and where it did not. In a loop that closes over its weights
 (a decoder's `lax.scan` of one-step calls) XLA hoists the slices' copies out
@@ -27,10 +31,9 @@ call that sees such a loop (`_xla.weights_from_enclosing_trace`) keeps the
 slices. A single jitted call, on the 2-core Xeon with AMX, float32, each
 pair interleaved in one process, us, the slices -> the whole buffer (Flax's
 cells; benchmarks/NOTES.md, session 75):
-- one layer, I = H = 256 (pieces of 256): GRU B1 (two layers) 559 -> 424
-  (306), B4 609 -> 337 (221), B8 570 -> 278 (239), B16 710 -> 424 (454), B32
-  857 -> 688 (582);
-  LSTM B1 (two layers) 813 -> 644 (820), B8 796 -> 319 (880), B16 945 -> 548
+- one layer, I = H = 256 (one view, 256 wide): GRU B1 (two layers) 559 ->
+  424 (306), B4 609 -> 337 (221), B8 570 -> 278 (239), B16 710 -> 424 (454),
+  B32 857 -> 688 (582); LSTM B1 (two layers) 813 -> 644 (820), B8 796 -> 319 (880), B16 945 -> 548
   and 843 -> 524, B24 815 -> 725, but B32 970 -> 1083, 1122 -> 1184 and 923 ->
   1104; tanh B8 587 -> 277, relu B32 645 -> 395; bidirectional GRU B8 899 ->
   500, LSTM B8 1997 -> 997;
@@ -44,18 +47,27 @@ cells; benchmarks/NOTES.md, session 75):
   9636 -> 12849 (44). The bounds forgo some gains: LSTM two layers B16 2867
   -> 2139 (48), GRU four layers B8 5619 -> 4146 (56), LSTM I1024 H1024 B32
   30979 -> 13641 (32);
-- pieces of 128, in two processes: LSTM I128 H128
-  B1 316 -> 234 and 219 -> 181, B8 927 -> 540 and 479 -> 330, B16 470 -> 390
-  and 289 -> 226; LSTM I128 H256 B8 497 -> 339 and 412 -> 326, B12 860 -> 612
-  and 605 -> 481; GRU I128 H256 B8 1186 -> 1283 and 427 -> 321 (in two
-  earlier processes 497 -> 357, 708 -> 359), B16 621 -> 547 and 543 -> 531;
-  GRU I256 H128 B4 248 -> 217 and 220 -> 182. But smaller matrices lost,
-  whose slices copy quickly: GRU I128 H128 B8 169 -> 198 and 102 -> 159 (one
-  direction's matrices 96 Ki elements; session 74, 158 -> 184), B1 189 ->
-  250; tanh I128 H256 B8 166 -> 210 and 137 -> 175 (96 Ki), I256 H128 229 ->
-  470 (48 Ki); and at B32 (`extra_products` 64) LSTM I128 H256 919 -> 1131
-  (session 51: 264 -> 389, the GRU 223 -> 258). Pieces of 64 went both ways
-  (LSTM I64 H128 B8 857 -> 470, B1 158 -> 175; GRU I64 H512 B8 1431 -> 2384).
+- the input's view 128 wide, in one process, and the state's 256 wide (the
+  greatest common divisor before, in the second process of the next item):
+  GRU I128 H256 B32 663 -> 546 (392), B16 551 -> 294 (344; before 543 ->
+  531), B8 441 -> 273 (198); LSTM B8 689 -> 374 (690), B16 465 -> 379 (640);
+  GRU I256 H512 B8 941 -> 677 (528). The states' and the input's products
+  apart, where the views are one, lost (one product -> two, LSTM I = H = 256
+  B1 272 -> 392, B8 359 -> 474, B16 526 -> 611; GRU B8 272 -> 367);
+- every view 128 wide (before the state's view was as wide as the state), in
+  two processes: LSTM I128 H128 B1 316 -> 234 and 219 -> 181, B8 927 -> 540
+  and 479 -> 330, B16 470 -> 390 and 289 -> 226; LSTM I128 H256 B8 497 -> 339
+  and 412 -> 326, B12 860 -> 612 and 605 -> 481; GRU I128 H256 B8 1186 -> 1283
+  and 427 -> 321 (in two earlier processes 497 -> 357, 708 -> 359), B16 621 ->
+  547 and 543 -> 531; GRU I256 H128 B4 248 -> 217 and 220 -> 182. But smaller
+  matrices lost, whose slices copy quickly: GRU I128 H128 B8 169 -> 198 and
+  102 -> 159 (one direction's matrices 96 Ki elements; session 74, 158 ->
+  184), B1 189 -> 250; tanh I128 H256 B8 166 -> 210 and 137 -> 175 (96 Ki),
+  I256 H128 229 -> 470 (48 Ki); and at B32 (`extra_products` 64) LSTM I128
+  H256 919 -> 1131 (session 51: 264 -> 389, the GRU 223 -> 258; with the
+  state's own view, 32, 892 -> 771, yet LSTM I = H = 256 B32, also 32, lost).
+  Views of 64 went both ways (LSTM I64 H128 B8 857 -> 470, B1 158 -> 175; GRU
+  I64 H512 B8 1431 -> 2384).
 Hence `MIN_PIECE`, `MIN_ELEMENTS` and `MAX_EXTRA_PRODUCTS` (an LSTM's lower:
 its B32 at I = H = 256 lost).
 Measured for float32 models on a CPU only: other dtypes, and other backends,
@@ -79,14 +91,18 @@ MAX_EXTRA_PRODUCTS = {"lstm": 24, "gru": 32, "rnn_tanh": 32, "rnn_relu": 32}
 
 
 class Plan(NamedTuple):
-  """Where one layer's matrices lie in the buffer viewed as `[rows, piece]`.
+  """How one layer multiplies the buffer (`size` elements): its input by the
+  buffer viewed as `[size / x_piece, x_piece]` (cut into `inputs / x_piece`
+  pieces), each direction's state by it viewed as `[size / H, H]` (the
+  state whole); one product where both views are one.
 
-  `inputs`: the layer's input size (None under skip_input: no input matrix);
-  `w_rows[d]`, `r_rows[d]`: the first row of direction `d`'s input and
-  recurrent matrices (None for the input one under skip_input)."""
-  piece: int
-  rows: int
+  `inputs`, `x_piece`: the layer's input size and its pieces' (None under
+  skip_input: no input matrix); `w_rows[d]`, `r_rows[d]`: the first row of
+  direction `d`'s input matrix in the input's view (None under skip_input)
+  and of its recurrent matrix in the state's."""
+  size: int
   inputs: int | None
+  x_piece: int | None
   hidden: int
   w_rows: tuple
   r_rows: tuple
@@ -96,11 +112,11 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   """The plan of `layer`'s one-step call over the whole buffer, or None where
   it multiplies sliced matrices (`_xla._forward`): a call not in a loop that
   closes over its weights (`looped`), one step (`x [T, B, in]`, time-major,
-  in the computation dtype), a float32 model, every layer's input size and `H`
-  multiples of a piece of at least `MIN_PIECE`, at least `MIN_ELEMENTS` in
-  a direction's matrices of the layer (`matrix_elements`), and at most
-  `MAX_EXTRA_PRODUCTS` multiplications more than the layer's own products
-  need for each weight they no longer copy (`extra_products`), on a CPU."""
+  in the computation dtype), a float32 model, views at least `MIN_PIECE`
+  wide (`_input_piece`), at least `MIN_ELEMENTS` in a direction's matrices
+  of the layer (`matrix_elements`), and at most `MAX_EXTRA_PRODUCTS`
+  multiplications more than the layer's own products need for each weight
+  they no longer copy (`extra_products`), on a CPU."""
   steps, batch = x.shape[:2]
   if looped or not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
     return None
@@ -108,19 +124,35 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
     return None
   if np.dtype(spec.dtype) != np.float32 or jax.default_backend() != "cpu":
     return None
-  piece = math.gcd(spec.num_units, *(spec.layer_input_size(l) for l in range(spec.num_layers)))
-  if (piece < MIN_PIECE or matrix_elements(spec, layer) < MIN_ELEMENTS
-      or extra_products(spec, layer, batch, piece) > MAX_EXTRA_PRODUCTS[spec.rnn_mode]):
+  H, g = spec.num_units, spec.num_gates
+  has_w = spec.layer_has_input_weights(layer)
+  x_piece = _input_piece(spec, layer) if has_w else None
+  if (min(H, x_piece or H) < MIN_PIECE or matrix_elements(spec, layer) < MIN_ELEMENTS
+      or extra_products(spec, layer, batch) > MAX_EXTRA_PRODUCTS[spec.rnn_mode]):
     return None
   weights, _ = _layout.tensors(spec)
-  first = {(t.direction, t.index // spec.num_gates): t.offset // piece
-           for t in weights if t.layer == layer and t.index % spec.num_gates == 0}
+  # Every block's size, a matrix's `g*H x in` or a bias's `H` times a gate
+  # count, is a multiple of H: so is every offset, and the state's view
+  # always holds whole rows.
+  first = {(t.direction, t.index // g): t.offset
+           for t in weights if t.layer == layer and t.index % g == 0}
   dirs = range(spec.num_dirs)
-  has_w = spec.layer_has_input_weights(layer)
-  return Plan(piece, _layout.params_size(spec) // piece,
-              spec.layer_input_size(layer) if has_w else None, spec.num_units,
-              tuple(first[d, 0] if has_w else None for d in dirs),
-              tuple(first[d, 1] for d in dirs))
+  return Plan(_layout.params_size(spec), spec.layer_input_size(layer) if has_w else None,
+              x_piece, H, tuple(first[d, 0] // x_piece if has_w else None for d in dirs),
+              tuple(first[d, 1] // H for d in dirs))
+
+
+def _input_piece(spec, layer: int) -> int:
+  """The width of the view `layer`'s input multiplies: the input size where
+  the buffer's size and the offsets of the layer's input matrices are
+  multiples of it (a view of whole rows), else the greatest common divisor
+  of the input size and H (every size and offset is a multiple of H)."""
+  inputs, g = spec.layer_input_size(layer), spec.num_gates
+  offsets = [t.offset for t in _layout.tensors(spec)[0]
+             if t.layer == layer and t.index < g]
+  if all(n % inputs == 0 for n in [_layout.params_size(spec)] + offsets):
+    return inputs
+  return math.gcd(inputs, spec.num_units)
 
 
 def matrix_elements(spec, layer: int) -> int:
@@ -129,46 +161,58 @@ def matrix_elements(spec, layer: int) -> int:
   return spec.num_gates * spec.num_units * (inputs + spec.num_units)
 
 
-def extra_products(spec, layer: int, batch: int, piece: int) -> float:
-  """The multiplications the whole buffer's product makes beyond those of
+def extra_products(spec, layer: int, batch: int) -> float:
+  """The multiplications the whole buffer's products make beyond those of
   `layer`'s own products, per element of the layer's matrices (what the
   slices would copy): every element of the buffer's matrices times every
-  piece of every sequence, less the layer's own elements times the sequences
-  (the biases' few rows aside). One layer of one direction with I = H =
-  `piece`: the batch."""
-  D, H = spec.num_dirs, spec.num_units
-  inputs = spec.layer_input_size(layer) if spec.layer_has_input_weights(layer) else 0
+  piece of every sequence (each state one piece), less the layer's own
+  elements times the sequences (the biases' few rows aside). One layer of one
+  direction: the batch, where the input is one piece."""
+  D = spec.num_dirs
   own = D * matrix_elements(spec, layer)
-  pieces = (inputs + D * H) // piece
+  pieces = D
+  if spec.layer_has_input_weights(layer):
+    pieces += spec.layer_input_size(layer) // _input_piece(spec, layer)
   matrices = sum(t.size for t in _layout.tensors(spec)[0])
   return batch * (matrices * pieces / own - 1)
 
 
 def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
   """One step of every direction of a layer, as `_xla._forward` without
-  coefficients returns it, `(ys, hT, cT)`, its products taken from one
-  product of the whole `buffer` (flat, in the computation dtype). Arguments
+  coefficients returns it, `(ys, hT, cT)`, its products taken from products
+  of the whole `buffer` (flat, in the computation dtype), one a view. Arguments
   as `_reference.forward_scan`'s, but `xs[0]` alone is read: at one step
   every direction's input is the same, but where a sequence is empty, whose
   outputs the mask drops."""
-  k, g, H = plan.piece, _spec.NUM_GATES[mode], plan.hidden
+  g, H = _spec.NUM_GATES[mode], plan.hidden
   x = xs[0][0]
   B = x.shape[0]
-  x_pieces = [] if plan.inputs is None else [x[:, p * k:(p + 1) * k]
-                                             for p in range(plan.inputs // k)]
-  h_pieces = [h[:, q * k:(q + 1) * k] for h in h0 for q in range(H // k)]
-  stacked = jnp.concatenate(x_pieces + h_pieces, 0)  # [pieces * B, k]
-  view = buffer.reshape(plan.rows, k)
-  product = jax.lax.dot_general(view, stacked, (((1,), (1,)), ((), ())))
-  # The small product transposed after a barrier, as `_xla._opaque_matmul`'s:
-  # else XLA may rewrite the pair into a product against the transposed view.
-  product = jax.lax.optimization_barrier(product)
+  stacks = {}  # a view's width -> the `[B, width]` pieces that multiply it
 
-  def matrix(row, width, first_piece):
-    """`[B, g*H]`: the matrix at `row`, of `width` columns, times its pieces."""
-    m = width // k
-    block = product[row:row + g * H * m].reshape(g * H, m, -1)
-    parts = [block[:, p, (first_piece + p) * B:(first_piece + p + 1) * B] for p in range(m)]
+  def add(width, pieces):
+    """Stacks `pieces` for the view of `width`; their first's index there."""
+    stack = stacks.setdefault(width, [])
+    stack.extend(pieces)
+    return len(stack) - len(pieces)
+
+  if plan.inputs is not None:
+    k = plan.x_piece
+    x_first = add(k, [x[:, p * k:(p + 1) * k] for p in range(plan.inputs // k)])
+  h_first = [add(H, [h]) for h in h0]
+  products = {}
+  for width, pieces in stacks.items():
+    view = buffer.reshape(plan.size // width, width)
+    product = jax.lax.dot_general(view, jnp.concatenate(pieces, 0), (((1,), (1,)), ((), ())))
+    # Transposed after a barrier, as `_xla._opaque_matmul`'s: else XLA may
+    # rewrite the pair into a product against the transposed view.
+    products[width] = jax.lax.optimization_barrier(product)
+
+  def matrix(width, row, columns, first):
+    """`[B, g*H]`: the matrix at `row` of the view of `width`, of `columns`
+    columns, times its pieces, the first of them `first` there."""
+    m = columns // width
+    block = products[width][row:row + g * H * m].reshape(g * H, m, -1)
+    parts = [block[:, p, (first + p) * B:(first + p + 1) * B] for p in range(m)]
     return sum(parts[1:], parts[0]).T
 
   in_bias = _reference.input_bias(mode, bW, bR)
@@ -178,9 +222,9 @@ def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
     if plan.inputs is None:
       xp = _reference.project(x, None, g)
     else:
-      xp = matrix(plan.w_rows[d], plan.inputs, 0)
+      xp = matrix(plan.x_piece, plan.w_rows[d], plan.inputs, x_first)
     xp = xp + _reference.lift(in_bias[d], 2)
-    rec = matrix(plan.r_rows[d], H, len(x_pieces) + d * (H // k))
+    rec = matrix(H, plan.r_rows[d], H, h_first[d])
     if mode == "gru":
       rec = rec + _reference.lift(bR[d], 2)
     c_prev = None if c0 is None else c0[d]
@@ -190,4 +234,3 @@ def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
     hT.append(h)
     cT.append(c)
   return tuple(ys), tuple(hT), None if c0 is None else tuple(cT)
-

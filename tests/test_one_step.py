@@ -2,8 +2,6 @@
 its values against numpy's RNN, its derivatives against the reference, and
 its rule's bounds."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,12 +21,23 @@ def cpu_host(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
 
 
-def _whole_buffer_products(fn, *args) -> list:
-  """The shapes of the left operands of `fn`'s products that multiply the
-  whole buffer viewed as `[rows, piece]`, nested ones too."""
+def _products(fn, *args) -> list:
+  """The shapes of the left operands of `fn`'s products, nested ones too."""
   eqns = jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
-  return [e.invars[0].aval.shape for e in eqns if e.primitive.name == "dot_general"
-          and e.invars[0].aval.ndim == 2 and e.invars[0].aval.size == args[-1].size]
+  return [e.invars[0].aval.shape for e in eqns if e.primitive.name == "dot_general"]
+
+
+def _whole_buffer_products(fn, *args) -> list:
+  """Those of `_products` that multiply the whole buffer (the last of `args`)."""
+  return [s for s in _products(fn, *args) if len(s) == 2 and np.prod(s) == args[-1].size]
+
+
+def _only_whole_buffer_products(spec, fn, *args) -> bool:
+  """Whether every product of `fn` multiplies the whole buffer, one or two of
+  them (the input's and the states' views) a layer."""
+  products = _products(fn, *args)
+  return (products == _whole_buffer_products(fn, *args)
+          and spec.num_layers <= len(products) <= 2 * spec.num_layers)
 
 
 def _numpy(spec, weights, biases, x, h, c, lengths=None):
@@ -69,12 +78,10 @@ def test_whole_buffer_values_match_numpy(cls, layers, units, inputs, direction, 
   weights, biases = random_canonical(spec, seed=2)
   params = spec.canonical_to_params(weights, biases)
   x, h, c = random_inputs(spec, 1, 5)
-  piece = math.gcd(units, inputs)  # layer 1's input, a multiple of the units, adds nothing
-  rows = spec.params_size() // piece
   for lengths in (None, np.array([1, 0, 1, 1, 0], np.int32)):
     run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla",
                                   seq_lengths=lengths)
-    assert _whole_buffer_products(run, x, h, c, params) == [(rows, piece)] * layers
+    assert _only_whole_buffer_products(spec, run, x, h, c, params)
     got = jax.jit(run)(x, h, c, params)
     want = _numpy(spec, weights, biases, x, h, c, lengths)
     for a, b in zip(got, want):
@@ -94,8 +101,7 @@ def test_whole_buffer_at_its_own_sizes(cls):
     params = spec.canonical_to_params(weights, biases)
     x, h, c = random_inputs(spec, 1, batch)
     run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla")
-    assert _whole_buffer_products(run, x, h, c, params) == [
-        (spec.params_size() // 256, 256)] * spec.num_layers
+    assert _only_whole_buffer_products(spec, run, x, h, c, params)
     for a, b in zip(jax.jit(run)(x, h, c, params), _numpy(spec, weights, biases, x, h, c)):
       if b is not None:
         np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=1e-4, atol=1e-5)
@@ -123,7 +129,7 @@ def test_whole_buffer_derivatives_match_reference(cls, monkeypatch):
   params = spec.init_params(jax.random.key(5))
   lengths = jnp.array([1, 0, 1], jnp.int32)
   fast, slow = _loss(_xla.rnn, spec, lengths), _loss(_reference.rnn, spec, lengths)
-  assert _whole_buffer_products(lambda *a: _xla.rnn(spec, *a), x, h, c, params)
+  assert _only_whole_buffer_products(spec, lambda *a: _xla.rnn(spec, *a), x, h, c, params)
   argnums = (0, 1, 3) if c is None else (0, 1, 2, 3)
   tol = dict(rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.jit(jax.grad(fast, argnums))(x, h, c, params),
@@ -152,7 +158,7 @@ def test_whole_buffer_rule():
   step = lambda batch, dtype=jnp.float32, steps=1: jax.ShapeDtypeStruct((steps, batch, 256),
                                                                         dtype)
   plan = _one_step.plan(gru, 0, step(32), looped=False)
-  assert plan == _one_step.Plan(256, gru.params_size() // 256, 256, 256, (0,), (768,))
+  assert plan == _one_step.Plan(gru.params_size(), 256, 256, 256, (0,), (768,))
   assert _one_step.plan(gru, 0, step(32), looped=True) is None
   assert _one_step.plan(gru, 0, step(8, steps=2), looped=False) is None
   assert _one_step.plan(jcr.CudnnGRU(1, 256, 256, dtype=jnp.float64), 0,
@@ -168,18 +174,34 @@ def test_whole_buffer_rule():
   assert _one_step.plan(jcr.CudnnGRU(1, 128, 128), 0, narrow(128), looped=False) is None
   assert _one_step.plan(jcr.CudnnLSTM(1, 256, 64), 0, narrow(64), looped=False) is None
   # One layer of I = H: the extra products per copied element are the batch.
-  assert _one_step.extra_products(gru, 0, 33, 256) == 33
+  assert _one_step.extra_products(gru, 0, 33) == 33
   assert _one_step.plan(gru, 0, step(33), looped=False) is None
   assert _one_step.plan(lstm, 0, step(24), looped=False) is not None
   assert _one_step.plan(lstm, 0, step(25), looped=False) is None
   # Three layers of one unit of matrices each: the buffer's 3 units times 2
   # pieces (x, h), less the layer's own unit, per unit: 5 a sequence.
-  assert _one_step.extra_products(jcr.CudnnGRU(3, 256, 256), 1, 4, 256) == 20
+  assert _one_step.extra_products(jcr.CudnnGRU(3, 256, 256), 1, 4) == 20
   # Bidirectional, layer 0, in units of `[4H, 256]`: the buffer's 2 * 2 (I 256)
   # + 2 * 3 (layer 1's I 512) units times 3 pieces (x, both states), less the
   # layer's own 4, per own unit: 6.5 a sequence.
   assert _one_step.extra_products(jcr.CudnnLSTM(2, 256, 256, direction="bidirectional"), 0,
-                                  2, 256) == 13
+                                  2) == 13
+  # I128 H256: the input multiplies the buffer viewed 128 wide, the state 256
+  # wide (768 rows of 128 in), one piece each: one layer's extra products are
+  # the batch.
+  narrow_gru = jcr.CudnnGRU(1, 256, 128)
+  assert _one_step.plan(narrow_gru, 0, jax.ShapeDtypeStruct((1, 32, 128), jnp.float32),
+                        looped=False) == _one_step.Plan(narrow_gru.params_size(), 128, 128,
+                                                        256, (0,), (384,))
+  assert _one_step.extra_products(narrow_gru, 0, 32) == 32
+  # An LSTM of 8 units, inputs 12, bidirectional, in two layers: a direction's
+  # matrices take 640 elements in layer 0 (`4 * 8 * (12 + 8)`), 768 in layer 1
+  # (its input 16), the buffer 3072 with the biases. Layer 0's backward input
+  # matrix at 640, no multiple of 12: pieces of 4 (12 and 8's divisor); layer
+  # 1's at 1280 and 2048, multiples of 16: its input whole.
+  small = jcr.CudnnLSTM(2, 8, 12, direction="bidirectional")
+  assert small.params_size() == 3072
+  assert [_one_step._input_piece(small, layer) for layer in (0, 1)] == [4, 16]
   b, = jax.export.symbolic_shape("b")
   assert _one_step.plan(gru, 0, jax.ShapeDtypeStruct((1, b, 256), jnp.float32),
                         looped=False) is None
