@@ -283,24 +283,26 @@ def operand_dtype(dtype) -> np.dtype | None:
 # widening outweighs its products (B8 I768 GRU 1833 -> 1991, B32 LSTM 4276 ->
 # 5255; B8 I1024 LSTM 7221 -> 18585, its 32 MiB of float32 weights faulting
 # in afresh on every call), though the loop still gains (1070 -> 633, 2964 ->
-# 2159, 2978 -> 2010) (benchmarks/NOTES.md, session 70).
+# 2159, 2978 -> 2010) (benchmarks/NOTES.md, session 70). So a call that sees
+# a loop closing over its weights (`weights_from_enclosing_trace`) widens
+# whatever their size (session 75).
 WIDEN_MIN_STEPS = 32
 WIDEN_ONE_STEP_MAX_WEIGHTS = 1 << 21
 
 
-def _widens(xs, W, R) -> bool:
+def _widens(xs, W, R, looped=False) -> bool:
   """Whether a layer over `xs [T, B, .]` whose directions' weight matrices
   are `W` (None for `skip_input`) and `R` lets `_rounded_dot` widen its
   operands: from `WIDEN_MIN_STEPS` steps, or in one step on more than one
-  sequence over at most `WIDEN_ONE_STEP_MAX_WEIGHTS` elements of a
-  direction's matrices. A symbolic size counts as large: a symbolic length as
-  long, a symbolic batch as more than one."""
+  sequence, over at most `WIDEN_ONE_STEP_MAX_WEIGHTS` elements of a
+  direction's matrices unless `looped` (`_forward`'s). A symbolic size counts
+  as large: a symbolic length as long, a symbolic batch as more than one."""
   steps, batch = xs[0].shape[:2]
   if jax.export.is_symbolic_dim(steps) or steps >= WIDEN_MIN_STEPS:
     return True
   elements = R[0].size + (0 if W is None else W[0].size)
   return (steps == 1 and (jax.export.is_symbolic_dim(batch) or batch > 1)
-          and elements <= WIDEN_ONE_STEP_MAX_WEIGHTS)
+          and (looped or elements <= WIDEN_ONE_STEP_MAX_WEIGHTS))
 
 
 def _products(operands, widen):
@@ -406,7 +408,7 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   whether the call runs in a loop that closes over its weights
   (`weights_from_enclosing_trace`)."""
   cell = functools.partial(_CELLS[mode], coefficients=coefficients)
-  widen = _widens(xs, W, R)
+  widen = _widens(xs, W, R, looped)
   _, matmul, round_ = _products(operands, widen)
   W = None if W is None else tuple(round_(w) for w in W)
   R = tuple(round_(r) for r in R)

@@ -1165,14 +1165,20 @@ def test_weights_prepared_once_in_a_loop_around_the_call(cls, T, B):
   assert not any(buffer in s for s in states), (buffer, states)
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["small", "past-the-single-call-bound"])
 @pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
-def test_bfloat16_decoder_widens_its_weights_once(cls, products):
+def test_bfloat16_decoder_widens_its_weights_once(cls, products, large, monkeypatch):
   """A bfloat16 model decoding a step at a time in a jitted loop, batch 4:
   where the CPU multiplies the rounded operands in float32 (`products`), the
   weights are widened once, before the loop, which carries them in float32
   (a 64-step decoder, LSTM B8 I256 H256: 287 -> 200 us a token;
-  benchmarks/NOTES.md, session 70); else it carries them in bfloat16. The
-  decoded values are the reference's to bfloat16 accuracy either way."""
+  benchmarks/NOTES.md, session 70); else it carries them in bfloat16. So too
+  for weights past `_xla.WIDEN_ONE_STEP_MAX_WEIGHTS` (`large`), which a
+  single call keeps in bfloat16 (`test_bfloat16_products_widen_from_32_steps`)
+  but a loop closing over them widens once (session 75). The decoded values
+  are the reference's to bfloat16 accuracy either way."""
+  if large:
+    monkeypatch.setattr(_xla, "WIDEN_ONE_STEP_MAX_WEIGHTS", 0)
   spec = cls(2, 16, 16, dtype=jnp.bfloat16)
   params = spec.init_params(jax.random.key(0))
   x, h, c = random_inputs(spec, 1, 4)
