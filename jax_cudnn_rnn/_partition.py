@@ -99,6 +99,12 @@ def _explicit(x):
   return mesh, sharding.spec
 
 
+def explicitly_sharded(x) -> bool:
+  """Whether `x`'s type carries an explicit mesh (`batch_like` changes
+  nothing otherwise)."""
+  return _explicit(x) is not None
+
+
 def _entry(spec, axis: int):
   return spec[axis] if len(spec) > axis else None
 
