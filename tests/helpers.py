@@ -8,6 +8,7 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -169,3 +170,13 @@ def load_benchmark(name: str):
 
 def has_torch() -> bool:
   return importlib.util.find_spec("torch") is not None
+
+
+def every_output_loss(impl, spec, lengths):
+  """A scalar touching every output of `impl(spec, x, h, c, params,
+  seq_lengths=lengths)` non-linearly, so each gradient path is exercised."""
+  def f(x, h, c, params):
+    y, h_out, c_out = impl(spec, x, h, c, params, seq_lengths=lengths)
+    total = jnp.sum(jnp.sin(y)) + jnp.sum(h_out ** 2)
+    return total if c_out is None else total + jnp.sum(1.5 * c_out)
+  return f

@@ -9,7 +9,8 @@ import pytest
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _one_step, _reference, _xla
-from helpers import SPEC_CLASSES, call, jaxpr_equations, random_canonical, random_inputs
+from helpers import (SPEC_CLASSES, call, every_output_loss, jaxpr_equations,
+                     random_canonical, random_inputs)
 from numpy_rnn import numpy_rnn
 
 
@@ -107,14 +108,6 @@ def test_whole_buffer_at_its_own_sizes(cls):
         np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=1e-4, atol=1e-5)
 
 
-def _loss(rnn, spec, lengths):
-  def f(x, h, c, params):
-    y, h_out, c_out = rnn(spec, x, h, c, params, seq_lengths=lengths)
-    total = jnp.sum(jnp.sin(y)) + jnp.sum(h_out ** 2)
-    return total if c_out is None else total + jnp.sum(1.5 * c_out)
-  return f
-
-
 @pytest.mark.usefixtures("cpu_host")
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_whole_buffer_derivatives_match_reference(cls, monkeypatch):
@@ -128,7 +121,8 @@ def test_whole_buffer_derivatives_match_reference(cls, monkeypatch):
   x, h, c = random_inputs(spec, 1, 3)
   params = spec.init_params(jax.random.key(5))
   lengths = jnp.array([1, 0, 1], jnp.int32)
-  fast, slow = _loss(_xla.rnn, spec, lengths), _loss(_reference.rnn, spec, lengths)
+  fast, slow = (every_output_loss(_xla.rnn, spec, lengths),
+                every_output_loss(_reference.rnn, spec, lengths))
   assert _only_whole_buffer_products(spec, lambda *a: _xla.rnn(spec, *a), x, h, c, params)
   argnums = (0, 1, 3) if c is None else (0, 1, 2, 3)
   tol = dict(rtol=1e-5, atol=1e-5)

@@ -26,8 +26,9 @@ from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _chunks, _cpu, _lanes, _reference, _rounded_dot, _xla
-from helpers import (SPEC_CLASSES, assert_gradient_is_one_concatenation, jaxpr_equations,
-                     padding_changes_nothing, random_canonical, random_inputs, relative_error)
+from helpers import (SPEC_CLASSES, assert_gradient_is_one_concatenation, every_output_loss,
+                     jaxpr_equations, padding_changes_nothing, random_canonical, random_inputs,
+                     relative_error)
 from numpy_rnn import numpy_rnn
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -58,13 +59,7 @@ def _setup(cls, layers, direction, input_mode, T=6, B=3):
   return spec, (x, h, c, params)
 
 
-def _loss(impl, spec, lengths):
-  """A scalar touching every output non-linearly, so each gradient path is exercised."""
-  def f(x, h, c, params):
-    y, h_out, c_out = impl(spec, x, h, c, params, seq_lengths=lengths)
-    total = jnp.sum(jnp.sin(y)) + jnp.sum(h_out ** 2)
-    return total if c_out is None else total + jnp.sum(1.5 * c_out)
-  return f
+_loss = every_output_loss
 
 
 CONFIGS = list(itertools.product(SPEC_CLASSES, ["unidirectional", "bidirectional"],
