@@ -113,10 +113,11 @@ But a one-step call that sees it runs in a loop closing over its weights
 (`weights_from_enclosing_trace`: a decoder's `lax.scan`) multiplies by them
 transposed where the recurrent matrix is small (`_transposes_in_loop`; LSTM
 B8 I64 H128, 64 steps: 52.7 -> 40.8 us a token, Flax's cell 36.1; session 74).
-And a one-step call outside such a loop, where every layer's input size and H
-are multiples of 256 and the batch small, slices nothing: it multiplies the
-whole buffer at once (`_one_step`; GRU B8 I256 H256 570 -> 278 us a call,
-Flax's cell 239; LSTM 796 -> 319, Flax's 880; session 75).
+And a float32 one-step call outside such a loop, over large enough matrices
+and a small batch, slices nothing: it multiplies the whole buffer, viewed as
+rows as wide as its input and as its states (`_one_step`'s rule; GRU B8 I256
+H256 570 -> 278 us a call, Flax's cell 239; LSTM 796 -> 319, Flax's 880;
+session 75).
 A step-by-step forward alone of an LSTM or a plain RNN, one direction, stacks
 its two transposed matrices instead and multiplies `[x_t, h]` by them, one
 product a step, the transposes one pass (`_stacks_weights`; LSTM B8 T32 I64
