@@ -180,7 +180,7 @@ def extra_products(spec, layer: int, batch: int) -> float:
 def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
   """One step of every direction of a layer, as `_xla._forward` without
   coefficients returns it, `(ys, hT, cT)`, its products taken from products
-  of the whole `buffer` (flat, in the computation dtype), one a view. Arguments
+  of the whole `buffer` (flat, in the computation dtype), one a view width. Arguments
   as `_reference.forward_scan`'s, but `xs[0]` alone is read: at one step
   every direction's input is the same, but where a sequence is empty, whose
   outputs the mask drops."""
