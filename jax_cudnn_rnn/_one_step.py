@@ -33,9 +33,9 @@ pair interleaved in one process, us, the slices -> the whole buffer (Flax's
 cells; benchmarks/NOTES.md, session 75):
 - one layer, I = H = 256 (one view, 256 wide): GRU B1 (two layers) 559 ->
   424 (306), B4 609 -> 337 (221), B8 570 -> 278 (239), B16 710 -> 424 (454),
-  B32 857 -> 688 (582); LSTM B1 (two layers) 813 -> 644 (820), B8 796 -> 319 (880), B16 945 -> 548
-  and 843 -> 524, B24 815 -> 725, but B32 970 -> 1083, 1122 -> 1184 and 923 ->
-  1104; tanh B8 587 -> 277, relu B32 645 -> 395; bidirectional GRU B8 899 ->
+  B32 857 -> 688 (582); LSTM B1 (two layers) 813 -> 644 (820), B8 796 -> 319
+  (880), B16 945 -> 548 and 843 -> 524, B24 815 -> 725, but B32 970 -> 1083,
+  1122 -> 1184 and 923 -> 1104; tanh B8 587 -> 277, relu B32 645 -> 395; bidirectional GRU B8 899 ->
   500, LSTM B8 1997 -> 997;
 - larger: GRU I512 H512 B8 1969 -> 913 (939), LSTM 3510 -> 1199 (4022);
   LSTM I1024 H1024 B4 23373 -> 3191 (its 32 MiB of slices fault in afresh
@@ -180,8 +180,8 @@ def extra_products(spec, layer: int, batch: int) -> float:
 def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
   """One step of every direction of a layer, as `_xla._forward` without
   coefficients returns it, `(ys, hT, cT)`, its products taken from products
-  of the whole `buffer` (flat, in the computation dtype), one a view width. Arguments
-  as `_reference.forward_scan`'s, but `xs[0]` alone is read: at one step
+  of the whole `buffer` (flat, in the computation dtype), one a view width.
+  Arguments as `_reference.forward_scan`'s, but `xs[0]` alone is read: at one step
   every direction's input is the same, but where a sequence is empty, whose
   outputs the mask drops."""
   g, H = _spec.NUM_GATES[mode], plan.hidden

@@ -57,8 +57,9 @@ def _small_pieces(monkeypatch):
                                                                      np.inf))
 
 
-# Small models through the rule with a piece of 4: one, two or three pieces of the
-# input, both directions, skip_input, three layers.
+# Small models through the rule with its bounds patched: views 4 to 16 wide (the
+# input whole or in pieces of `gcd(I, H)`), both directions, skip_input, three
+# layers.
 SMALL = [(1, 8, 8, "unidirectional", "linear_input"),
          (2, 8, 12, "bidirectional", "linear_input"),
          (3, 4, 4, "bidirectional", "skip_input"),
@@ -70,8 +71,8 @@ SMALL = [(1, 8, 8, "unidirectional", "linear_input"),
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_whole_buffer_values_match_numpy(cls, layers, units, inputs, direction, input_mode,
                                          monkeypatch):
-  """One jitted one-step call: one product of the whole buffer a layer, and
-  values (outputs, final states) equal to numpy's RNN in float64, to float32
+  """One jitted one-step call: only products of the whole buffer, one or two
+  a layer, and values (outputs, final states) equal to numpy's RNN in float64, to float32
   rounding, with and without lengths (an empty sequence keeps its states)."""
   _small_pieces(monkeypatch)
   spec = cls(layers, units, inputs, direction=direction, input_mode=input_mode,
