@@ -15,6 +15,12 @@ cuDNN's inference call, whose sizes are read when it runs; a derivative there
 is the "xla" path's under `implementation=None` and an error under "cudnn"
 (`_symbolic`). An export for CUDA holds the cuDNN calls
 (`_cudnn.export_disabled_checks`, `_cudnn.register_ffi_targets`).
+
+Where DESIGN §2 has `implementation=None` pick cuDNN on a CUDA device, a call
+of one step (decoding a token at a time) runs the "xla" path instead
+(`one_step_on_xla`, which says why): cuDNN's fixed cost per call is more than
+a step's whole work there, and the two paths give the same values (within
+cuDNN's rounding).
 """
 
 from __future__ import annotations
@@ -23,9 +29,35 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_cudnn_rnn import _cudnn, _params, _partition, _symbolic, _xla
+from jax_cudnn_rnn import _cudnn, _layout, _params, _partition, _symbolic, _xla
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+# A one-step cuDNN call is slow: decoding on a GPU (benchmarks/decode.py,
+# float32, ten shapes B1-B32, H128-H256, one and two layers, buffers of up to
+# 1.05M elements), the "xla" path took this share of a cuDNN call's time per
+# token, on an H100 (session 46) and an H200 (session 63; benchmarks/NOTES.md):
+# in a jitted 64-step `lax.scan` 0.22-0.32x and 0.22-0.38x (15-31 us against
+# 45-130), one jitted call per token 0.58-0.68x and 0.52-0.76x, an eager call
+# 0.69-0.80x and 0.68-0.82x: faster at all sixty. What a cuDNN call costs
+# beyond its products (host-side work and launches, under the standard
+# algorithm as under the persistent one) does not grow with the model, while
+# the products are the same work on either path; but in a loop XLA:GPU copies
+# the weights out of the buffer at every step (session 63), which does grow.
+# Those copies bound the rule: 2^22 elements (16 MiB in float32) copy in about
+# 10 us at an H100's bandwidth, under the 30-100 us a cuDNN step cost beyond
+# the "xla" path's in the loops above. Larger models, and calls of more steps
+# (neither measured), keep cuDNN.
+ONE_STEP_XLA_MAX_ELEMENTS = 1 << 22
+
+
+def one_step_on_xla(spec, steps) -> bool:
+  """Whether `implementation=None` runs a call of `steps` steps on the "xla"
+  path where cuDNN could run it: one step (a concrete one: a symbolic time
+  axis keeps cuDNN), of a model whose buffer holds at most
+  `ONE_STEP_XLA_MAX_ELEMENTS`."""
+  return (isinstance(steps, (int, np.integer)) and steps == 1
+          and _layout.params_size(spec) <= ONE_STEP_XLA_MAX_ELEMENTS)
 
 
 def _as_array(name: str, value) -> jax.Array:
@@ -154,8 +186,11 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     dropout_key = _params.check_key("dropout_key", dropout_key)
 
   backend = resolve_implementation(implementation)
-  if backend == "auto" and not _cudnn.supports(spec, steps, batch, bool(time_major))[0]:
-    backend = "xla"  # e.g. a data type this cuDNN lacks: None means "the best that runs"
+  # None means "the best that runs": the "xla" path where cuDNN is the slower
+  # (one step) or cannot run the call (e.g. a data type this cuDNN lacks).
+  if backend == "auto" and (one_step_on_xla(spec, steps)
+                            or not _cudnn.supports(spec, steps, batch, bool(time_major))[0]):
+    backend = "xla"
   operands = (x, h0, c0, params, lengths, dropout_key)
   traced = [a for a in jax.tree.leaves(operands) if isinstance(a, jax.core.Tracer)]
   if not traced:

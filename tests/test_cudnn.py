@@ -285,6 +285,26 @@ def test_default_implementation_uses_cudnn_on_gpu():
   assert not _cudnn.in_compiled(compiled("xla"))
 
 
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_default_implementation_runs_one_step_on_xla(cls):
+  """A one-step call (decoding) under implementation=None runs the "xla" path,
+  the faster at every one-step shape timed on a GPU (`_ops.one_step_on_xla`):
+  its program holds no cuDNN call, and its values and gradients are cuDNN's."""
+  spec = cls(2, 8, 4, direction="bidirectional")
+  _check_against_reference(spec, T=1, B=3)  # cuDNN's one step against the "xla" path's
+  params = spec.init_params(jax.random.key(0))
+  x, h, c = (None if a is None else jnp.asarray(a) for a in random_inputs(spec, 1, 3, seed=4))
+  loss = lambda impl: lambda x, p: jnp.sum(call(spec, x, h, c, p, implementation=impl)[0] ** 2)
+  compiled = lambda impl: jax.jit(jax.grad(loss(impl), (0, 1))).lower(x, params).compile()
+  assert not _cudnn.in_compiled(compiled(None))
+  infer = lambda impl: call(spec, x, h, c, params, is_training=False, implementation=impl)
+  assert not _cudnn.in_compiled(
+      jax.jit(lambda x, p: call(spec, x, h, c, p, is_training=False)).lower(x, params).compile())
+  for a, b in zip(infer(None), infer("xla")):
+    if b is not None:
+      np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("time_major", [True, False])
 def test_vmap_of_cudnn_matches_loop(time_major):
   """Inference folds the vmapped axis into cuDNN's batch; gradients are per element."""

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _cudnn
+from jax_cudnn_rnn import _cudnn, _ops
 from helpers import SPEC_CLASSES, assert_gradient_is_one_concatenation, call, random_inputs
 
 
@@ -272,6 +272,30 @@ def test_default_implementation_lowers_to_cudnn_for_cuda(sizes, cls):
   _assert_dispatch(jax.grad(loss), params, targets=TRAINING)
   infer = lambda p: call(spec, x, h, c, p, is_training=False, time_major=False)
   _assert_dispatch(infer, params, targets=("jcr_rnn_forward_inference",))
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_default_implementation_runs_one_step_on_xla_for_cuda(sizes, monkeypatch, cls):
+  """A one-step call (decoding) under `implementation=None` lowers for a CUDA
+  device to the "xla" path, its gradient too (`_ops.one_step_on_xla`); two
+  steps, `implementation="cudnn"` and a buffer past the bound lower to cuDNN."""
+  spec = cls(2, 4, 3, direction="bidirectional")
+  x, h, c, params = _inputs(spec, 2, 3, True)
+  x, h, c = (None if a is None else a.astype(jnp.float32) for a in (x, h, c))
+
+  def lowered(steps, **options):
+    infer = lambda p: call(spec, x[:steps], h, c, p, is_training=False, **options)
+    loss = lambda p: jnp.sum(call(spec, x[:steps], h, c, p, **options)[0] ** 2)
+    return [_lowered(f, params, platform="cuda") for f in (infer, jax.grad(loss))]
+
+  assert not any(_cudnn.in_compiled(text) for text in lowered(1))
+  assert all(_cudnn.in_compiled(text) for text in lowered(2))
+  assert all(_cudnn.in_compiled(text) for text in lowered(1, implementation="cudnn"))
+  size = spec.params_size()
+  monkeypatch.setattr(_ops, "ONE_STEP_XLA_MAX_ELEMENTS", size - 1)
+  assert all(_cudnn.in_compiled(text) for text in lowered(1))
+  monkeypatch.setattr(_ops, "ONE_STEP_XLA_MAX_ELEMENTS", size)
+  assert not any(_cudnn.in_compiled(text) for text in lowered(1))
 
 
 def test_demo_train_step_lowers_to_cudnn_for_cuda(sizes):
