@@ -23,6 +23,13 @@ each time. Figures are per
 token (a loop's time divided by its steps), medians over round-robin rounds
 (`run._time_interleaved`), float32.
 
+    python benchmarks/decode.py --large
+
+times five larger models instead (LSTM and GRU, H512 and H1024), either side
+of the size up to which `implementation=None` runs a one-step call on the
+"xla" path rather than cuDNN (`_ops.one_step_on_xla`); such a run's files end
+in `-large`.
+
     python benchmarks/decode.py --dtype bfloat16
 
 runs every contender in bfloat16 instead (weights, inputs and states; Flax's
@@ -88,7 +95,16 @@ class Shape:
                                           dtype=jnp.dtype(self.dtype))
 
 
-def shapes(quick: bool) -> list[Shape]:
+def shapes(quick: bool, large: bool = False) -> list[Shape]:
+  if large:
+    # Either side of the bound up to which `implementation=None` runs a
+    # one-step call on the "xla" path rather than cuDNN (`_ops.one_step_on_xla`:
+    # 2^22 elements), which was set from smaller models' timings on a GPU.
+    return [Shape("lstm", 8, 512, 512, 1),    # 2.1M elements: "xla" under None
+            Shape("gru", 8, 512, 512, 2),     # 3.1M: "xla"
+            Shape("gru", 8, 1024, 1024, 1),   # 6.3M: cuDNN
+            Shape("lstm", 8, 1024, 1024, 1),  # 8.4M: cuDNN
+            Shape("lstm", 1, 512, 512, 4)]    # 8.4M: cuDNN
   if quick:
     return [Shape("lstm", 1, 64, 128, 1), Shape("lstm", 8, 64, 128, 1)]
   out = []
@@ -267,6 +283,9 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="two shapes, few repeats")
+  parser.add_argument("--large", action="store_true",
+                      help="larger models, either side of the size up to which "
+                           "implementation=None decodes on the \"xla\" path (files end in -large)")
   parser.add_argument("--steps", type=int, default=64, help="steps of the jitted loop")
   parser.add_argument("--repeats", type=int, default=None)
   parser.add_argument("--warmup", type=int, default=2)
@@ -284,7 +303,7 @@ def main(argv=None) -> int:
   gpu, have_torch, device_name, cpu, machine = grid_run.setting(args.machine)
   lead_in_s = grid_run.lead_in_seconds(gpu)
   results = []
-  for shape in shapes(args.quick):
+  for shape in shapes(args.quick, args.large):
     shape = dataclasses.replace(shape, dtype=args.dtype)
     timed = {}
     for impl, make in contenders(shape, args.steps, gpu, have_torch).items():
@@ -310,10 +329,12 @@ def main(argv=None) -> int:
   out_dir.mkdir(parents=True, exist_ok=True)
   asynchronous = async_dispatch()
   stem = (f"decode-{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
+          f"{'-large' if args.large else ''}"
           f"{'' if asynchronous else '-sync'}{'' if args.dtype == 'float32' else '-' + args.dtype}")
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(), "cpu": cpu,
             "versions": grid_run.versions(), "quick": args.quick, "steps": args.steps,
-            "repeats": repeats, "warmup": args.warmup, "lead_in_s": lead_in_s,
+            "large": args.large, "repeats": repeats, "warmup": args.warmup,
+            "lead_in_s": lead_in_s,
             "cpu_async_dispatch": asynchronous, "dtype": args.dtype, "results": results}
   (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=1))
   table = markdown(results, device_name if gpu else grid_run.cpu_heading(device_name, cpu),

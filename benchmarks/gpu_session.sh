@@ -13,7 +13,9 @@
 # over pytest-xdist's workers where it is installed), gpu-tests (both), demo,
 # suite (every test, on the GPU backend: the adapters and the demo then run
 # cuDNN through implementation=None; the plumbing tests are CPU-only and run
-# there), bench-quick, bench-full, bench-decode (benchmarks/decode.py), profile
+# there), bench-quick, bench-full, bench-decode (benchmarks/decode.py),
+# bench-decode-large (its --large models: either side of the size up to which
+# implementation=None decodes on the "xla" path), profile
 # (benchmarks/profile_gpu.py: the kernels of one call of each contender, at the small
 # shapes where session 38 found our cuDNN forward slower than PyTorch's), profile-leads
 # (session 45's leads: the smallest LSTM without XLA's command buffers, where the
@@ -127,8 +129,10 @@ for stage in "${stages[@]}"; do
         | tee '$out/profile-leads-$stamp.log' | tail -60" ;;
     bench-decode)
       run_stage bench-decode bash -c "set -o pipefail; python3 benchmarks/decode.py --out-dir '$out' 2>&1 | tail -40" ;;
+    bench-decode-large)
+      run_stage bench-decode-large bash -c "set -o pipefail; python3 benchmarks/decode.py --large --out-dir '$out' 2>&1 | tail -40" ;;
     *)
-      echo "unknown stage $stage (build, gpu-checks, gpu-sweep, gpu-tests, demo, suite, bench-quick, bench-full, bench-decode, profile, profile-leads)"
+      echo "unknown stage $stage (build, gpu-checks, gpu-sweep, gpu-tests, demo, suite, bench-quick, bench-full, bench-decode, bench-decode-large, profile, profile-leads)"
       exit 2 ;;
   esac
 done

@@ -25,16 +25,19 @@ from helpers import has_torch, load_benchmark, on_a_cpu_host
 
 
 @on_a_cpu_host
-@pytest.mark.parametrize("as_gpu,sync,dtype", [(False, False, "float32"),
-                                               (False, True, "float32"),
-                                               (True, False, "float32"),
-                                               (False, False, "bfloat16")],
+@pytest.mark.parametrize("as_gpu,sync,dtype,large", [(False, False, "float32", False),
+                                                     (False, True, "float32", False),
+                                                     (True, False, "float32", False),
+                                                     (False, False, "bfloat16", False),
+                                                     (True, False, "float32", True)],
                          ids=["cpu", "cpu-sync-dispatch", "gpu-with-handler-model",
-                              "cpu-bfloat16"])
-def test_decode_benchmark_runs_end_to_end(as_gpu, sync, dtype, tmp_path, monkeypatch, capsys):
+                              "cpu-bfloat16", "gpu-with-handler-model-large"])
+def test_decode_benchmark_runs_end_to_end(as_gpu, sync, dtype, large, tmp_path, monkeypatch,
+                                          capsys):
   decode = load_benchmark("decode")
   tiny = [decode.Shape("lstm", 2, 3, 4, 2), decode.Shape("gru", 1, 3, 4, 1)]
-  monkeypatch.setattr(decode, "shapes", lambda quick: tiny)
+  asked = []
+  monkeypatch.setattr(decode, "shapes", lambda quick, large: asked.append(large) or tiny)
   # --sync-dispatch sets JAX's option and drops the clients made before; here
   # they are kept (the suite's arrays live on them), and the option restored.
   assert decode.async_dispatch() is jax.config.values[decode.ASYNC_DISPATCH] is True
@@ -45,7 +48,8 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, sync, dtype, tmp_path, monkeyp
   try:
     assert decode.main(["--quick", "--repeats", "2", "--warmup", "1", "--steps", "3",
                         "--out-dir", str(tmp_path), "--machine", "test", "--dtype", dtype]
-                       + (["--sync-dispatch"] if sync else [])) == 0
+                       + (["--sync-dispatch"] if sync else []) + (["--large"] if large else [])
+                       ) == 0
   finally:
     jax.config.update(decode.ASYNC_DISPATCH, True)
   assert dropped == ([True] if sync else [])
@@ -53,10 +57,13 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, sync, dtype, tmp_path, monkeyp
 
   written = sorted(p.name for p in tmp_path.iterdir())
   assert len(written) == 2 and written[0].startswith("decode-test-"), written
-  suffix = ("-quick-sync" if sync else "-quick") + ("-bfloat16" if dtype == "bfloat16" else "")
+  assert asked == [large]
+  suffix = ("-quick" + ("-large" if large else "") + ("-sync" if sync else "")
+            + ("-bfloat16" if dtype == "bfloat16" else ""))
   assert written[0].endswith(suffix + ".json") and written[1].endswith(suffix + ".md"), written
   record = json.loads((tmp_path / written[0]).read_text())
   assert record["steps"] == 3 and record["repeats"] == 2 and record["dtype"] == dtype
+  assert record["large"] is large
   assert record["cpu_async_dispatch"] is (not sync)
   assert {"jax", "numpy", "cudnn", "commit"} <= set(record["versions"])
   patterns = ("loop", "step", "eager")
@@ -118,6 +125,16 @@ def test_decode_benchmark_runs_end_to_end(as_gpu, sync, dtype, tmp_path, monkeyp
                  if r["shape"] == shape.name and r["pattern"] == pattern}
       ratios = np.array(results[peer]["times_s"]) / np.array(results[ours]["times_s"])
       assert cell.startswith(f"{np.median(ratios):.2f}x ["), (column, cell)
+
+
+def test_large_shapes_lie_either_side_of_the_one_step_bound():
+  """`--large` times models whose one-step calls `implementation=None` runs on
+  either path (`_ops.one_step_on_xla`), so that a GPU run tests the bound."""
+  from jax_cudnn_rnn import _ops
+  decode = load_benchmark("decode")
+  sides = [_ops.one_step_on_xla(shape.spec(), 1) for shape in decode.shapes(False, large=True)]
+  assert True in sides and False in sides, sides
+  assert not set(decode.shapes(False, large=True)) & set(decode.shapes(False))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
