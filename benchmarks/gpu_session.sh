@@ -13,7 +13,9 @@
 # over pytest-xdist's workers where it is installed), gpu-tests (both), demo,
 # suite (every test, on the GPU backend: the adapters and the demo then run
 # cuDNN through implementation=None; the plumbing tests are CPU-only and run
-# there), bench-quick, bench-full, bench-decode (benchmarks/decode.py),
+# there), bench-quick, bench-full, bench-sweep (run.py --sweep, cuDNN against our
+# "xla" path over hidden sizes: where implementation=None should pick which),
+# bench-decode (benchmarks/decode.py),
 # bench-decode-large (its --large models: either side of the size up to which
 # implementation=None decodes on the "xla" path), profile
 # (benchmarks/profile_gpu.py: the kernels of one call of each contender, at the small
@@ -129,10 +131,13 @@ for stage in "${stages[@]}"; do
         | tee '$out/profile-leads-$stamp.log' | tail -60" ;;
     bench-decode)
       run_stage bench-decode bash -c "set -o pipefail; python3 benchmarks/decode.py --out-dir '$out' 2>&1 | tail -40" ;;
+    bench-sweep)
+      run_stage bench-sweep bash -c "set -o pipefail; python3 benchmarks/run.py --sweep --only ours-cudnn,ours-xla --repeats 9 --out-dir '$out' --budget-s \$((STAGE_LEFT - 45)) 2>&1 \
+        | tee '$out/bench-sweep-$stamp.log' | tail -40" ;;
     bench-decode-large)
       run_stage bench-decode-large bash -c "set -o pipefail; python3 benchmarks/decode.py --large --out-dir '$out' 2>&1 | tail -40" ;;
     *)
-      echo "unknown stage $stage (build, gpu-checks, gpu-sweep, gpu-tests, demo, suite, bench-quick, bench-full, bench-decode, bench-decode-large, profile, profile-leads)"
+      echo "unknown stage $stage (build, gpu-checks, gpu-sweep, gpu-tests, demo, suite, bench-quick, bench-full, bench-sweep, bench-decode, bench-decode-large, profile, profile-leads)"
       exit 2 ;;
   esac
 done

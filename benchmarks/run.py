@@ -5,6 +5,7 @@
     python benchmarks/run.py --out-dir benchmarks/results
     python benchmarks/run.py --quick --cores 1  # every contender on one core
     python benchmarks/run.py --plot benchmarks/results/NAME.json  # its PNG, running nothing
+    python benchmarks/run.py --sweep --only ours-cudnn,ours-xla  # a GPU: which path is faster
 
 Peers, each run on the same inputs and shapes:
 - `flax`: `flax.linen.RNN` over `OptimizedLSTMCell` / `GRUCell`, layers stacked,
@@ -102,6 +103,23 @@ class Shape:
         self.layers, self.hidden, self.input_size,
         direction="bidirectional" if self.bidirectional else "unidirectional",
         dtype=jnp.dtype(self.dtype))
+
+
+# `--sweep`: one layer of either cell and dtype over hidden sizes, at one batch
+# and length, to tell on a GPU where our "xla" path is faster than cuDNN, which
+# `implementation=None` picks there. On an H100 (session 45's grid,
+# results/gpu-NVIDIA-H100-80GB-HBM3-2026-11-27.json) the "xla" path took
+# 0.35-0.68x cuDNN's time at H256 in float32 and 0.27-0.61x at H128-H256 in
+# bfloat16, but 1.56-1.67x in training at H128 in float32 (cuDNN's persistent
+# algorithm) and 1.07-1.38x at H1024: too few sizes to draw a line between.
+SWEEP_HIDDEN = (128, 192, 256, 384, 512, 768, 1024)
+
+
+def sweep() -> list[Shape]:
+  """The `--sweep` shapes: float32 first, then bfloat16; per cell, the hidden sizes up."""
+  return [Shape(mode, 32, 64, hidden, hidden, 1, False, dtype)
+          for dtype in ("float32", "bfloat16") for mode in ("lstm", "gru")
+          for hidden in SWEEP_HIDDEN]
 
 
 def grid(quick: bool, gpu: bool) -> list[Shape]:
@@ -812,6 +830,10 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="a few shapes, few repeats")
+  parser.add_argument("--sweep", action="store_true",
+                      help="instead of the grid, one layer of each cell and dtype over hidden "
+                           "sizes (`sweep`: on a GPU, where cuDNN or our \"xla\" path is the "
+                           "faster); files end in -sweep")
   parser.add_argument("--repeats", type=int, default=None)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--rounds", type=int, default=None,
@@ -857,10 +879,12 @@ def main(argv=None) -> int:
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   # Names built whole, not with `with_suffix`: a machine name may hold a dot ("jax0.12").
-  stem = f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
+  stem = (f"{machine}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
+          f"{'-sweep' if args.sweep else ''}")
   record = {"device": device_name, "machine": machine, "cpu_count": os.cpu_count(),
             "cores": usable_cores(),
-            "cpu": cpu, "versions": versions(), "quick": args.quick, "repeats": repeats,
+            "cpu": cpu, "versions": versions(), "quick": args.quick, "sweep": args.sweep,
+            "repeats": repeats,
             "warmup": args.warmup, "rounds": rounds, "lead_in": args.lead_in,
             "lead_in_s": lead_in_s,
             "memory_measure": MEMORY_MEASURE, "compile_measure": COMPILE_MEASURE,
@@ -868,7 +892,7 @@ def main(argv=None) -> int:
   table_device = device_name if gpu else cpu_heading(device_name, cpu)
   results = record["results"]
   started = time.perf_counter()
-  shapes = grid(args.quick, gpu)
+  shapes = sweep() if args.sweep else grid(args.quick, gpu)
   for done, shape in enumerate(shapes):
     if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
       record["cut_short"] = f"--budget-s {args.budget_s:g}: {len(shapes) - done} shapes not run"

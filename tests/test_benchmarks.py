@@ -552,3 +552,25 @@ def test_cores_out_of_range_is_refused():
   for bad in (0, usable + 1):
     with pytest.raises(ValueError, match=rf"--cores must be between 1 and {usable}.*got {bad}"):
       run.main(["--quick", "--cores", str(bad)])
+
+
+def test_sweep_times_its_own_shapes_and_says_so(tmp_path, monkeypatch):
+  """`--sweep` times `run.sweep()`'s shapes, not the grid's: one layer of each
+  cell and dtype over `SWEEP_HIDDEN`, input size the hidden size, float32 first;
+  its files end in -sweep and its record says so."""
+  run = load_benchmark("run")
+  shapes = run.sweep()
+  assert [(s.mode, s.hidden, s.dtype) for s in shapes] == [
+      (mode, hidden, dtype) for dtype in ("float32", "bfloat16") for mode in ("lstm", "gru")
+      for hidden in run.SWEEP_HIDDEN]
+  assert all(s.layers == 1 and not s.bidirectional and s.input_size == s.hidden
+             for s in shapes)
+  tiny = run.Shape(**dict(TINY, layers=1, bidirectional=False))
+  monkeypatch.setattr(run, "sweep", lambda: [tiny])
+  monkeypatch.setattr(run, "grid", lambda quick, gpu: pytest.fail("the grid was asked for"))
+  assert run.main(["--sweep", "--repeats", "1", "--warmup", "1", "--only", "ours-xla",
+                   "--out-dir", str(tmp_path), "--machine", "m"]) == 0
+  record = json.loads(next(tmp_path.glob("m-*-sweep.json")).read_text())
+  assert record["sweep"] is True
+  assert {(r["shape"], r["impl"], r["phase"]) for r in record["results"]} == {
+      (tiny.name, "ours-xla", "fwd"), (tiny.name, "ours-xla", "fwd+bwd")}
