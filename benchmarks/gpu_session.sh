@@ -14,7 +14,8 @@
 # suite (every test, on the GPU backend: the adapters and the demo then run
 # cuDNN through implementation=None; the plumbing tests are CPU-only and run
 # there), bench-quick, bench-full, bench-sweep (run.py --sweep, cuDNN against our
-# "xla" path over hidden sizes: where implementation=None should pick which),
+# "xla" path over hidden sizes: where implementation=None should pick which; it
+# starts no new shape after SWEEP_S seconds, default 150),
 # bench-decode (benchmarks/decode.py),
 # bench-decode-large (its --large models: either side of the size up to which
 # implementation=None decodes on the "xla" path), profile
@@ -132,7 +133,7 @@ for stage in "${stages[@]}"; do
     bench-decode)
       run_stage bench-decode bash -c "set -o pipefail; python3 benchmarks/decode.py --out-dir '$out' 2>&1 | tail -40" ;;
     bench-sweep)
-      run_stage bench-sweep bash -c "set -o pipefail; python3 benchmarks/run.py --sweep --only ours-cudnn,ours-xla --repeats 9 --out-dir '$out' --budget-s \$((STAGE_LEFT - 45)) 2>&1 \
+      run_stage bench-sweep bash -c "set -o pipefail; python3 benchmarks/run.py --sweep --only ours-cudnn,ours-xla --repeats 9 --out-dir '$out' --budget-s \$((STAGE_LEFT - 45 < ${SWEEP_S:-150} ? STAGE_LEFT - 45 : ${SWEEP_S:-150})) 2>&1 \
         | tee '$out/bench-sweep-$stamp.log' | tail -40" ;;
     bench-decode-large)
       run_stage bench-decode-large bash -c "set -o pipefail; python3 benchmarks/decode.py --large --out-dir '$out' 2>&1 | tail -40" ;;
