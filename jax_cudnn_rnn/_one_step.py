@@ -215,22 +215,29 @@ def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
     parts = [block[:, p, (first + p) * B:(first + p + 1) * B] for p in range(m)]
     return sum(parts[1:], parts[0]).T
 
+  # The cell on the step axis kept, `[1, B, .]`, as `_reference.forward_scan`'s
+  # `step_axis` runs it, for its reason: the new states are the outputs, not
+  # reshapes of them, which XLA:CPU fused into kernels of their own. One
+  # jitted call, us, before -> after (Flax's cells), one process each: GRU
+  # I256 H256 B8 332.7 -> 321.7 (306.8), I128 H256 B32 619.5 -> 619.2 (500.9;
+  # paired round by round 0.975x); LSTM I256 H256 B8 434.1 -> 425.7 (919.1),
+  # two layers B1 591.6 -> 591.7 (766.9; paired 0.989x) (benchmarks/NOTES.md,
+  # session 76).
   in_bias = _reference.input_bias(mode, bW, bR)
-  valid_t = None if valid is None else valid[0]
   ys, hT, cT = [], [], []
   for d in range(len(h0)):
     if plan.inputs is None:
       xp = _reference.project(x, None, g)
     else:
       xp = matrix(plan.x_piece, plan.w_rows[d], plan.inputs, x_first)
-    xp = xp + _reference.lift(in_bias[d], 2)
-    rec = matrix(H, plan.r_rows[d], H, h_first[d])
+    xp = xp[None] + _reference.lift(in_bias[d], 3)
+    rec = matrix(H, plan.r_rows[d], H, h_first[d])[None]
     if mode == "gru":
-      rec = rec + _reference.lift(bR[d], 2)
-    c_prev = None if c0 is None else c0[d]
-    h, c = _reference._cell(mode, xp, rec, h0[d], c_prev)
-    h, c, out = _reference.mask(valid_t, h, c, h0[d], c_prev)
-    ys.append(out[None])
-    hT.append(h)
-    cT.append(c)
+      rec = rec + _reference.lift(bR[d], 3)
+    h_prev, c_prev = h0[d][None], None if c0 is None else c0[d][None]
+    h, c = _reference._cell(mode, xp, rec, h_prev, c_prev)
+    h, c, out = _reference.mask(valid, h, c, h_prev, c_prev)
+    ys.append(out)
+    hT.append(h[0])
+    cT.append(None if c is None else c[0])
   return tuple(ys), tuple(hT), None if c0 is None else tuple(cT)

@@ -160,7 +160,7 @@ def mask(valid_t, h, c, h_prev, c_prev):
   """
   if valid_t is None:
     return h, c, h
-  keep = valid_t[:, None]
+  keep = valid_t[..., None]
   h = jnp.where(keep, h, h_prev)
   c = None if c is None else jnp.where(keep, c, c_prev)
   return h, c, jnp.where(keep, h, jnp.zeros((), h.dtype))
@@ -175,8 +175,10 @@ def input_bias(mode, bW, bR):
 def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul,
                    joined=False, last_cells=False, x_t=None):
   """One step of every direction, given its input pre-activations `xps[d]`
-  (with the input bias). `cs` is None without a cell state. `valid_t`: None,
-  the step's `[B]` mask for every direction, or a tuple of each direction's
+  (with the input bias). `cs` is None without a cell state. The operands are
+  `[B, .]`, or `[1, B, .]` with the step axis kept (`forward_scan`'s one
+  step). `valid_t`: None, the step's `[B]` (or `[1, B]`) mask for every
+  direction, or a tuple of each direction's
   (`_xla` cuts a batch into lanes that run as directions of their own).
   `joined`: the "directions" are lanes of one direction's hidden units
   (`_xla`'s lanes by unit), each with its columns of every gate in `R[d]`,
@@ -221,7 +223,7 @@ def recurrent_step(mode, cell, R, bR, hs, cs, xps, valid_t, matmul=jnp.matmul,
 
 
 def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
-                 joined=False, last_cells=False, stacked=False):
+                 joined=False, last_cells=False, stacked=False, step_axis=False):
   """The forward recurrence of one layer, all directions in one `lax.scan`.
 
   `xs`, `h0`, `c0`, `R`, `bW`, `bR` (and `W`, unless None: skip_input) are
@@ -233,6 +235,8 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
   and `last_cells` as `recurrent_step`'s (with `last_cells`, `c0` and `cT`
   hold its pairs). `stacked`: `R[d]` is each direction's input and recurrent
   matrices stacked (`recurrent_step`'s `x_t`), and W is not read.
+  `step_axis`: where `xs` holds one step (`is_one_step`), run it without a
+  loop and with the step axis kept, the states `[1, B, H]` (below).
 
   Returns per-direction tuples `(ys, hT, cT, res)`.
   """
@@ -242,7 +246,7 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
   def step(carry, inputs):
     x_t, valid_t = inputs
     if stacked:
-      xps = [lift(b, 2) for b in in_bias]
+      xps = [lift(b, x_t[0].ndim) for b in in_bias]
     else:
       xps = project_inputs(x_t, W, in_bias, g, matmul)
     hs, cs, outs, res = recurrent_step(mode, cell, R, bR, *carry, xps, valid_t, matmul,
@@ -250,8 +254,21 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
     return (hs, cs), (outs, res)
 
   carry0 = (tuple(h0), None if c0 is None else tuple(c0))
+  if step_axis and is_one_step(xs[0]):
+    # The states lifted to `[1, B, H]` are the final states as the caller
+    # stacks them, so that the new cell state is the output itself, not a
+    # reshape of it: XLA:CPU fused such a reshape into a kernel of its own,
+    # which computed the cell state again, and split an LSTM's cell into five
+    # kernels where two do (`_xla._forward` says where this is used).
+    (hT, cT), (ys, res) = step(jax.tree.map(lambda a: a[None], carry0), (tuple(xs), valid))
+    return ys, *jax.tree.map(lambda a: a[0], (hT, cT)), res
   (hT, cT), (ys, res) = jax.lax.scan(step, carry0, (tuple(xs), valid))
   return ys, hT, cT, res
+
+
+def is_one_step(x: jax.Array) -> bool:
+  """Whether `x [T, ...]` holds one step, known as such (not a symbolic T)."""
+  return isinstance(x.shape[0], (int, np.integer)) and x.shape[0] == 1
 
 
 def _recurrence(mode, xs, valid, h0, c0, W, R, bW, bR):

@@ -413,8 +413,8 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   _, matmul, round_ = _products(operands, widen)
   W = None if W is None else tuple(round_(w) for w in W)
   R = tuple(round_(r) for r in R)
-  opaque = _reads_opaque_orientation(xs[0]) and not (
-      looped and not coefficients and _transposes_in_loop(operands, xs, R))
+  transposed_in_loop = looped and not coefficients and _transposes_in_loop(operands, xs, R)
+  opaque = _reads_opaque_orientation(xs[0]) and not transposed_in_loop
   if opaque:
     # Back to the opaque buffer's `[g*H, .]` blocks (XLA cancels the two
     # transposes), multiplied as they lie.
@@ -435,8 +435,20 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   if last_cells:
     c0 = tuple((c, c) for c in c0)
   if chunk == 1:
+    # A decoder's step against transposed weights runs on the step axis kept
+    # (`forward_scan`'s `step_axis`): its cell reads the product batch-major,
+    # in two kernels, and the loop body runs inline, 7 kernels against 11.
+    # Its loop, us a token, before -> after (Flax's cells), interleaved in one
+    # process each: LSTM B8 I64 H128 43.8 -> 39.7 (37.6), 48.9 -> 42.2, 50.7
+    # -> 46.0; B1 14.5 -> 14.0; B32 I64 H128 129.4 -> 131.7 (123.8); GRU B8
+    # I64 H128 29.2 -> 28.8, 37.6 -> 36.9. Against the opaque blocks (a
+    # larger model's loop) the cell reads the product feature-major, and its
+    # two kernels lost to the five it made before, three of which ran side by
+    # side: LSTM B32 I128 H256 387.8 -> 415.4, 378.8 -> 425.4, 382.1 -> 413.8
+    # (benchmarks/NOTES.md, session 76).
     ys, hT, cT, res = _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR,
-                                              matmul, joined, last_cells, stacked)
+                                              matmul, joined, last_cells, stacked,
+                                              step_axis=transposed_in_loop)
   else:
     ys, hT, cT, res = _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk,
                                     joined, last_cells)

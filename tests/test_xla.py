@@ -997,23 +997,32 @@ def test_weights_from_enclosing_trace():
   assert seen == [True, True]
 
 
-def _decoder(spec, rnn, carried=False):
+def _decoder(spec, rnn, carried=False, seq_lengths=None):
   """A decoder's loop: `rnn` one step at a time, 4 steps, each step's output
   the next step's input, in a `lax.scan` that closes over the weights (or,
-  `carried`, carries them); returns the outputs and the final states."""
+  `carried`, carries them), each step given `seq_lengths`; returns the
+  outputs and the final states."""
   def decode(x, h, c, params):
     def step(carry, _):
       if carried:
         p, (x, h, c) = carry[0], carry[1]
       else:
         p, (x, h, c) = params, carry
-      y, h, c = rnn(spec, x, h, c, p)
+      y, h, c = rnn(spec, x, h, c, p, seq_lengths=seq_lengths)
       new = (jnp.tanh(y), h, c)
       return ((p, new) if carried else new), y[0]
     carry, ys = jax.lax.scan(step, ((params, (x, h, c)) if carried else (x, h, c)), None,
                              length=4)
     return ys, *(carry[1] if carried else carry)[1:]
   return decode
+
+
+def _loops_per_token(decode, *args) -> int:
+  """The loops (scans) inside the body of `_decoder`'s loop."""
+  loops = [e for e in jax.make_jaxpr(decode)(*args).jaxpr.eqns
+           if e.primitive.name == "scan" and e.params["length"] == 4]
+  assert len(loops) == 1, len(loops)
+  return sum(e.primitive.name == "scan" for e in jaxpr_equations(loops[0].params["jaxpr"]))
 
 
 def _products_per_token(decode, *args) -> int:
@@ -1033,13 +1042,19 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   the loop): an LSTM's and the plain RNNs' two matrices stacked, one product
   a step (`_products_per_token`), a GRU's two; the loop carrying its
   weights, one sequence, or a larger matrix keep the opaque blocks (two
-  products). Values and gradients against the reference's loop."""
+  products); the step runs without a loop of its own where the weights are
+  transposed. Values and gradients against the reference's loop, and values
+  with a sequence of length 0."""
   spec = cls(1, 8, 8, dtype=jnp.float32)  # the output is the next step's input
   x, h, c = random_inputs(spec, 1, 3)
   params = spec.init_params(jax.random.key(3))
   stacks = cls is not jcr.CudnnGRU
   fast, slow = _decoder(spec, _xla.rnn), _decoder(spec, _reference.rnn)
   assert _products_per_token(fast, x, h, c, params) == (1 if stacks else 2)
+  # ... and the step runs without a loop of its own, on the step axis kept
+  # (`_reference.forward_scan`'s `step_axis`); against the opaque blocks, in one.
+  assert _loops_per_token(fast, x, h, c, params) == 0
+  assert _loops_per_token(_decoder(spec, _xla.rnn, carried=True), x, h, c, params) == 1
   assert _products_per_token(_decoder(spec, _xla.rnn, carried=True), x, h, c, params) == 2
   one = tuple(None if a is None else a[:, :1] for a in (x, h, c))
   assert _products_per_token(fast, *one, params) == 2
@@ -1051,6 +1066,17 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   for a, b in zip(jax.jit(jax.grad(loss(fast), argnums=(0, 1, 2)))(x, h, params),
                   jax.jit(jax.grad(loss(slow), argnums=(0, 1, 2)))(x, h, params)):
     np.testing.assert_allclose(a, b, **tol)
+  # A sequence of length 0 keeps its state and outputs zeros (the mask, and an
+  # LSTM's last cells, on the step axis kept: `_reference.forward_scan`).
+  lengths = jnp.array([1, 0, 1], jnp.int32)
+  masked, reference = (_decoder(spec, r, seq_lengths=lengths) for r in (_xla.rnn, _reference.rnn))
+  assert _products_per_token(masked, x, h, c, params) == (1 if stacks else 2)
+  got, want = jax.jit(masked)(x, h, c, params), jax.jit(reference)(x, h, c, params)
+  for a, b in zip(got, want):
+    if b is not None:
+      np.testing.assert_allclose(a, b, **tol)
+  np.testing.assert_array_equal(got[0][:, 1], 0)
+  np.testing.assert_array_equal(got[1][:, 1], h[:, 1])
   large = cls(1, 384, 384, dtype=jnp.float32)  # R: 576 KiB (RNN) to 2.25 MiB (LSTM)
   assert 384 * 384 * 4 > _xla.LOOP_TRANSPOSED_MAX_BYTES
   assert _products_per_token(_decoder(large, _xla.rnn), *random_inputs(large, 1, 3),
