@@ -217,12 +217,13 @@ def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
 
   # The cell on the step axis kept, `[1, B, .]`, as `_reference.forward_scan`'s
   # `step_axis` runs it, for its reason: the new states are the outputs, not
-  # reshapes of them, which XLA:CPU fused into kernels of their own. One
-  # jitted call, us, before -> after (Flax's cells), one process each: GRU
-  # I256 H256 B8 332.7 -> 321.7 (306.8), I128 H256 B32 619.5 -> 619.2 (500.9;
-  # paired round by round 0.975x); LSTM I256 H256 B8 434.1 -> 425.7 (919.1),
-  # two layers B1 591.6 -> 591.7 (766.9; paired 0.989x) (benchmarks/NOTES.md,
-  # session 76).
+  # reshapes of them, which XLA:CPU fused into kernels of their own (an LSTM's
+  # cell five kernels -> two; a GRU's program is the same either way). One
+  # jitted call, us, before -> after (Flax's cells), one process each: LSTM
+  # I256 H256 B8 434.1 -> 425.7 (919.1; paired round by round 0.94x), two
+  # layers B1 591.6 -> 591.7 (766.9; 0.99x); the GRU's unchanged program, as
+  # a measure of the noise, B8 332.7 -> 321.7, B32 I128 619.5 -> 619.2
+  # (benchmarks/NOTES.md, session 76).
   in_bias = _reference.input_bias(mode, bW, bR)
   ys, hT, cT = [], [], []
   for d in range(len(h0)):

@@ -440,12 +440,13 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
     # in two kernels, and the loop body runs inline, 7 kernels against 11.
     # Its loop, us a token, before -> after (Flax's cells), interleaved in one
     # process each: LSTM B8 I64 H128 43.8 -> 39.7 (37.6), 48.9 -> 42.2, 50.7
-    # -> 46.0; B1 14.5 -> 14.0; B32 I64 H128 129.4 -> 131.7 (123.8); GRU B8
-    # I64 H128 29.2 -> 28.8, 37.6 -> 36.9. Against the opaque blocks (a
-    # larger model's loop) the cell reads the product feature-major, and its
-    # two kernels lost to the five it made before, three of which ran side by
-    # side: LSTM B32 I128 H256 387.8 -> 415.4, 378.8 -> 425.4, 382.1 -> 413.8
-    # (benchmarks/NOTES.md, session 76).
+    # -> 46.0; B1 14.5 -> 14.0, 18.6 -> 17.9 (paired round by round 1.06x);
+    # B32 I64 H128 129.4 -> 131.7 (123.8); GRU B8 I64 H128 (one copy fewer)
+    # 29.2 -> 28.8, 37.6 -> 36.9. Against the opaque blocks (a larger model's
+    # loop) the cell reads the product feature-major, and its two kernels lost
+    # to the five it made before (three of them independent, which XLA:CPU may
+    # run side by side): LSTM B32 I128 H256 387.8 -> 415.4, 378.8 -> 425.4,
+    # 382.1 -> 413.8 (benchmarks/NOTES.md, session 76).
     ys, hT, cT, res = _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR,
                                               matmul, joined, last_cells, stacked,
                                               step_axis=transposed_in_loop)
