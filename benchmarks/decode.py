@@ -9,7 +9,9 @@ JAX user writes:
 - "loop": `--steps` one-step calls inside one jitted `jax.lax.scan` (the fast
   way to decode in JAX; XLA compiles the whole loop). Ours ("xla", and
   "cudnn" on a GPU) and Flax's cells (`OptimizedLSTMCell` / `GRUCell`, one
-  per layer, applied once a step).
+  per layer, applied once a step). On a GPU the tables' "ours" is the cuDNN
+  call; `implementation=None` runs a one-step call on the "xla" path up to
+  `_ops.ONE_STEP_XLA_MAX_ELEMENTS` (`ours-xla`), which these timings chose.
 - "step": one jitted one-step call made from Python per token (a sampling
   loop in Python, as `jax_cudnn_rnn.demo` does): ours, Flax's cells, and
   PyTorch's `nn.LSTM` / `nn.GRU` given a one-step input (eager, `no_grad`).
