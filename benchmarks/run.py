@@ -111,7 +111,7 @@ class Shape:
 # results/gpu-NVIDIA-H100-80GB-HBM3-2026-11-27.json) the "xla" path took
 # 0.35-0.68x cuDNN's time at H256 in float32 and 0.27-0.61x at H128-H256 in
 # bfloat16, but 1.56-1.67x in training at H128 in float32 (cuDNN's persistent
-# algorithm) and 1.07-1.38x at H1024: too few sizes to draw a line between.
+# algorithm) and 0.91-1.38x at H1024: too few sizes to draw a line between.
 SWEEP_HIDDEN = (128, 192, 256, 384, 512, 768, 1024)
 
 
