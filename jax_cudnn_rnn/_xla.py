@@ -349,7 +349,21 @@ def _reads_opaque_orientation(x: jax.Array) -> bool:
 # -> 374.1, I128 H512 B8 381.1 -> 476.5), and so did one sequence (LSTM I64
 # H128 B1 12.9 -> 14.8, matrix-vector products): those keep the opaque blocks.
 # Not measured for bfloat16 products (`operands`), which keep them too.
+# Session 76 sorted the larger matrices by the input's width (with the step
+# axis kept, `_forward`), opaque -> transposed (Flax's cells), one process
+# each: at most 128 wide they gained, LSTM I128 H256 (R 1 MiB) B4 90.8 -> 72.0
+# (75.4), B8 123.2 -> 116.3 (123.8), B16 179.5 -> 175.2 (169.6), B32 399.9 ->
+# 361.6 (380.3), B64 639.7 -> 543.0 (565.6), I64 H256 B8 103.2 -> 91.6 (92.4);
+# GRU I128 H256 B8 108.0 -> 112.1 (paired round by round 1.00x), B16 173.3 ->
+# 142.2, B32 342.9 -> 320.0 and 326.9 -> 321.4; but not LSTM I128 H192 B8 91.0
+# -> 90.8 (paired 1.02x). Wider, they lost: LSTM I256 H256 B8 159.1 -> 191.8
+# (190.9), B32 445.4 -> 500.6; GRU I256 H256 B8 145.6 -> 157.2; LSTM I256 H512
+# B32 1083.1 -> 1258.9, GRU 856.7 -> 916.4. Against transposed weights ours
+# ran as Flax's cells did; the opaque blocks' products were the quicker
+# where the input is as wide as the state (256), the slower at 64-128.
 LOOP_TRANSPOSED_MAX_BYTES = 256 * 1024  # of a direction's R, included
+LOOP_TRANSPOSED_NARROW_INPUT = 128  # an input at most this wide ...
+LOOP_TRANSPOSED_NARROW_MAX_BYTES = 1 << 20  # ... transposes an R up to this, included
 
 
 def weights_from_enclosing_trace(params, operands) -> bool:
@@ -373,11 +387,15 @@ def _transposes_in_loop(operands, xs, R) -> bool:
   """Whether a one-step forward in a loop that closes over its weights
   multiplies by them transposed (the comment above): one step on more than
   one sequence, the model's own float32 products (`operands` None), a
-  recurrent matrix of at most `LOOP_TRANSPOSED_MAX_BYTES`, on a CPU."""
+  recurrent matrix of at most `LOOP_TRANSPOSED_MAX_BYTES`, or of at most
+  `LOOP_TRANSPOSED_NARROW_MAX_BYTES` under an input at most
+  `LOOP_TRANSPOSED_NARROW_INPUT` wide, on a CPU."""
   batch = xs[0].shape[1]  # asked where `_reads_opaque_orientation`: one step if batch > 1
+  size = R[0].size * R[0].dtype.itemsize
+  narrow = xs[0].shape[-1] <= LOOP_TRANSPOSED_NARROW_INPUT
   return (operands is None and np.dtype(R[0].dtype) == np.float32
           and not jax.export.is_symbolic_dim(batch) and batch > 1
-          and R[0].size * R[0].dtype.itemsize <= LOOP_TRANSPOSED_MAX_BYTES
+          and size <= (LOOP_TRANSPOSED_NARROW_MAX_BYTES if narrow else LOOP_TRANSPOSED_MAX_BYTES)
           and jax.default_backend() == "cpu")
 
 

@@ -999,9 +999,9 @@ def test_weights_from_enclosing_trace():
 
 def _decoder(spec, rnn, carried=False, seq_lengths=None):
   """A decoder's loop: `rnn` one step at a time, 4 steps, each step's output
-  the next step's input, in a `lax.scan` that closes over the weights (or,
-  `carried`, carries them), each step given `seq_lengths`; returns the
-  outputs and the final states."""
+  (its first `input_size` units) the next step's input, in a `lax.scan` that
+  closes over the weights (or, `carried`, carries them), each step given
+  `seq_lengths`; returns the outputs and the final states."""
   def decode(x, h, c, params):
     def step(carry, _):
       if carried:
@@ -1009,7 +1009,7 @@ def _decoder(spec, rnn, carried=False, seq_lengths=None):
       else:
         p, (x, h, c) = params, carry
       y, h, c = rnn(spec, x, h, c, p, seq_lengths=seq_lengths)
-      new = (jnp.tanh(y), h, c)
+      new = (jnp.tanh(y[..., :x.shape[-1]]), h, c)  # the input's width, where narrower
       return ((p, new) if carried else new), y[0]
     carry, ys = jax.lax.scan(step, ((params, (x, h, c)) if carried else (x, h, c)), None,
                              length=4)
@@ -1081,6 +1081,18 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   assert 384 * 384 * 4 > _xla.LOOP_TRANSPOSED_MAX_BYTES
   assert _products_per_token(_decoder(large, _xla.rnn), *random_inputs(large, 1, 3),
                             large.init_params(jax.random.key(3))) == 2
+  # A larger R, up to 1 MiB, is transposed under an input at most 128 wide
+  # (no loop of its own: the step axis kept), not under a wider one.
+  hidden = {jcr.CudnnLSTM: 256, jcr.CudnnGRU: 256}.get(cls, 512)  # R: 768 KiB to 1 MiB
+  g = spec.num_gates
+  assert (_xla.LOOP_TRANSPOSED_MAX_BYTES < g * hidden * hidden * 4
+          <= _xla.LOOP_TRANSPOSED_NARROW_MAX_BYTES)
+  for inputs, transposed in ((_xla.LOOP_TRANSPOSED_NARROW_INPUT, True),
+                             (_xla.LOOP_TRANSPOSED_NARROW_INPUT + 1, False)):
+    wide = cls(1, hidden, inputs, dtype=jnp.float32)
+    decode = _decoder(wide, _xla.rnn)
+    args = (*random_inputs(wide, 1, 3), wide.init_params(jax.random.key(3)))
+    assert _loops_per_token(decode, *args) == (0 if transposed else 1), inputs
 
 
 def _products_per_step(fn, *args) -> int:
