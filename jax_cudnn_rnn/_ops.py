@@ -29,7 +29,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_cudnn_rnn import _cudnn, _layout, _params, _partition, _symbolic, _xla
+from jax_cudnn_rnn import _cudnn, _layout, _params, _partition, _reference, _symbolic, _xla
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 
@@ -56,7 +56,7 @@ def one_step_on_xla(spec, steps) -> bool:
   path where cuDNN could run it: one step (a concrete one: a symbolic time
   axis keeps cuDNN), of a model whose buffer holds at most
   `ONE_STEP_XLA_MAX_ELEMENTS`."""
-  return (isinstance(steps, (int, np.integer)) and steps == 1
+  return (_reference.is_one_step(steps)
           and _layout.params_size(spec) <= ONE_STEP_XLA_MAX_ELEMENTS)
 
 

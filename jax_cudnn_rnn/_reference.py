@@ -254,7 +254,7 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
     return (hs, cs), (outs, res)
 
   carry0 = (tuple(h0), None if c0 is None else tuple(c0))
-  if step_axis and is_one_step(xs[0]):
+  if step_axis and is_one_step(xs[0].shape[0]):
     # The states lifted to `[1, B, H]` are the final states as the caller
     # stacks them, so that the new cell state is the output itself, not a
     # reshape of it: XLA:CPU fused such a reshape into a kernel of its own,
@@ -266,9 +266,10 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
   return ys, hT, cT, res
 
 
-def is_one_step(x: jax.Array) -> bool:
-  """Whether `x [T, ...]` holds one step, known as such (not a symbolic T)."""
-  return isinstance(x.shape[0], (int, np.integer)) and x.shape[0] == 1
+def is_one_step(steps) -> bool:
+  """Whether a time axis of `steps` holds one step, known as such (not a
+  symbolic one)."""
+  return isinstance(steps, (int, np.integer)) and steps == 1
 
 
 def _recurrence(mode, xs, valid, h0, c0, W, R, bW, bR):

@@ -1017,20 +1017,22 @@ def _decoder(spec, rnn, carried=False, seq_lengths=None):
   return decode
 
 
-def _loops_per_token(decode, *args) -> int:
-  """The loops (scans) inside the body of `_decoder`'s loop."""
+def _decoder_body(decode, *args):
+  """The jaxpr of the body of `_decoder`'s loop (its 4 steps)."""
   loops = [e for e in jax.make_jaxpr(decode)(*args).jaxpr.eqns
            if e.primitive.name == "scan" and e.params["length"] == 4]
   assert len(loops) == 1, len(loops)
-  return sum(e.primitive.name == "scan" for e in jaxpr_equations(loops[0].params["jaxpr"]))
+  return loops[0].params["jaxpr"]
+
+
+def _loops_per_token(decode, *args) -> int:
+  """The loops (scans) inside the body of `_decoder`'s loop."""
+  return sum(e.primitive.name == "scan" for e in jaxpr_equations(_decoder_body(decode, *args)))
 
 
 def _products_per_token(decode, *args) -> int:
-  """The products in the body of `_decoder`'s loop (its 4 steps), nested ones too."""
-  loops = [e for e in jax.make_jaxpr(decode)(*args).jaxpr.eqns
-           if e.primitive.name == "scan" and e.params["length"] == 4]
-  assert len(loops) == 1, len(loops)
-  return len(list(_dots(loops[0].params["jaxpr"])))
+  """The products in the body of `_decoder`'s loop, nested ones too."""
+  return len(list(_dots(_decoder_body(decode, *args))))
 
 
 @pytest.mark.usefixtures("cpu_host")
