@@ -464,10 +464,19 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
     # loop) the cell reads the product feature-major, and its two kernels lost
     # to the five it made before (three of them independent, which XLA:CPU may
     # run side by side): LSTM B32 I128 H256 387.8 -> 415.4, 378.8 -> 425.4,
-    # 382.1 -> 413.8 (benchmarks/NOTES.md, session 76).
+    # 382.1 -> 413.8 (benchmarks/NOTES.md, session 76). But one sequence's
+    # feature-major product is its batch-major one (`[g*H, 1]`, a bitcast),
+    # so a decoder's loop on one sequence keeps the step axis against the
+    # opaque blocks too, us a token, before -> after (Flax's cells), three
+    # processes: LSTM B1 I64 H128 13.5 -> 12.7 (13.4), 15.2 -> 13.6 (14.2),
+    # 14.9 -> 13.8 (13.4), paired round by round 0.92-0.96x; GRU 0.95-0.97x;
+    # LSTM I128 H256 0.98-1.00x; two layers I256 H256 1.00-1.01x, where the
+    # products read memory (session 77).
+    step_axis = transposed_in_loop or (looped and not coefficients
+                                       and _reference.is_one_step(xs[0].shape[1]))
     ys, hT, cT, res = _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR,
                                               matmul, joined, last_cells, stacked,
-                                              step_axis=transposed_in_loop)
+                                              step_axis=step_axis)
   else:
     ys, hT, cT, res = _chunked_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul, chunk,
                                     joined, last_cells)

@@ -1045,8 +1045,8 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   a step (`_products_per_token`), a GRU's two; the loop carrying its
   weights, one sequence, or a larger matrix keep the opaque blocks (two
   products); the step runs without a loop of its own where the weights are
-  transposed. Values and gradients against the reference's loop, and values
-  with a sequence of length 0."""
+  transposed, or on one sequence. Values and gradients against the
+  reference's loop, and values with a sequence of length 0."""
   spec = cls(1, 8, 8, dtype=jnp.float32)  # the output is the next step's input
   x, h, c = random_inputs(spec, 1, 3)
   params = spec.init_params(jax.random.key(3))
@@ -1060,7 +1060,17 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   assert _products_per_token(_decoder(spec, _xla.rnn, carried=True), x, h, c, params) == 2
   one = tuple(None if a is None else a[:, :1] for a in (x, h, c))
   assert _products_per_token(fast, *one, params) == 2
+  # One sequence's feature-major product is batch-major: its step runs on the
+  # step axis kept against the opaque blocks too, with no loop of its own.
+  assert _loops_per_token(fast, *one, params) == 0
   tol = dict(rtol=2e-6, atol=2e-6)
+  for lengths in (None, jnp.array([1], jnp.int32), jnp.array([0], jnp.int32)):
+    got, want = (jax.jit(_decoder(spec, r, seq_lengths=lengths))(*one, params)
+                 for r in (_xla.rnn, _reference.rnn))
+    for a, b in zip(got, want):
+      if b is not None:
+        np.testing.assert_allclose(a, b, **tol)
+  np.testing.assert_array_equal(got[1], one[1])  # length 0: the state kept
   for a, b in zip(jax.jit(fast)(x, h, c, params), jax.jit(slow)(x, h, c, params)):
     if b is not None:
       np.testing.assert_allclose(a, b, **tol)
