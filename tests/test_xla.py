@@ -1071,6 +1071,13 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
       if b is not None:
         np.testing.assert_allclose(a, b, **tol)
   np.testing.assert_array_equal(got[1], one[1])  # length 0: the state kept
+  deep = cls(2, 8, 8, input_mode="skip_input", direction="bidirectional", dtype=jnp.float32)
+  args = (*random_inputs(deep, 1, 1), deep.init_params(jax.random.key(4)))
+  assert _loops_per_token(_decoder(deep, _xla.rnn), *args) == 0
+  for a, b in zip(jax.jit(_decoder(deep, _xla.rnn))(*args),
+                  jax.jit(_decoder(deep, _reference.rnn))(*args)):
+    if b is not None:
+      np.testing.assert_allclose(a, b, **tol)
   for a, b in zip(jax.jit(fast)(x, h, c, params), jax.jit(slow)(x, h, c, params)):
     if b is not None:
       np.testing.assert_allclose(a, b, **tol)
