@@ -472,9 +472,11 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
     # 14.9 -> 13.8 (13.4), paired round by round 0.91-0.96x; GRU 0.90-0.97x;
     # LSTM I128 H256 0.98-1.00x; two layers I256 H256 1.00-1.01x, where the
     # products read memory; bfloat16 0.97-0.99x (session 77). (`is_one_step`
-    # asks it of the batch axis: a concrete one of one sequence.)
+    # asks it of the batch axis: a concrete one of one sequence.) On a CPU, as
+    # measured; a GPU's fusions may differ.
     step_axis = transposed_in_loop or (looped and not coefficients
-                                       and _reference.is_one_step(xs[0].shape[1]))
+                                       and _reference.is_one_step(xs[0].shape[1])
+                                       and jax.default_backend() == "cpu")
     ys, hT, cT, res = _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR,
                                               matmul, joined, last_cells, stacked,
                                               step_axis=step_axis)

@@ -1061,8 +1061,14 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   one = tuple(None if a is None else a[:, :1] for a in (x, h, c))
   assert _products_per_token(fast, *one, params) == 2
   # One sequence's feature-major product is batch-major: its step runs on the
-  # step axis kept against the opaque blocks too, with no loop of its own.
+  # step axis kept against the opaque blocks too, with no loop of its own (on
+  # a CPU, where it was measured).
   assert _loops_per_token(fast, *one, params) == 0
+  other = cls(1, 6, 6, dtype=jnp.float32)  # not traced before (JAX caches traces)
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(jax, "default_backend", lambda: "gpu")
+    assert _loops_per_token(_decoder(other, _xla.rnn), *random_inputs(other, 1, 1),
+                            other.init_params(jax.random.key(3))) == 1
   tol = dict(rtol=2e-6, atol=2e-6)
   for lengths in (None, jnp.array([1], jnp.int32), jnp.array([0], jnp.int32)):
     got, want = (jax.jit(_decoder(spec, r, seq_lengths=lengths))(*one, params)
