@@ -56,7 +56,7 @@ def one_step_on_xla(spec, steps) -> bool:
   path where cuDNN could run it: one step (a concrete one: a symbolic time
   axis keeps cuDNN), of a model whose buffer holds at most
   `ONE_STEP_XLA_MAX_ELEMENTS`."""
-  return (_reference.is_one_step(steps)
+  return (_reference.is_known_one(steps)
           and _layout.params_size(spec) <= ONE_STEP_XLA_MAX_ELEMENTS)
 
 

@@ -235,7 +235,7 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
   and `last_cells` as `recurrent_step`'s (with `last_cells`, `c0` and `cT`
   hold its pairs). `stacked`: `R[d]` is each direction's input and recurrent
   matrices stacked (`recurrent_step`'s `x_t`), and W is not read.
-  `step_axis`: where `xs` holds one step (`is_one_step`), run it without a
+  `step_axis`: where `xs` holds one step (`is_known_one`), run it without a
   loop and with the step axis kept, the states `[1, B, H]` (below).
 
   Returns per-direction tuples `(ys, hT, cT, res)`.
@@ -254,7 +254,7 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
     return (hs, cs), (outs, res)
 
   carry0 = (tuple(h0), None if c0 is None else tuple(c0))
-  if step_axis and is_one_step(xs[0].shape[0]):
+  if step_axis and is_known_one(xs[0].shape[0]):
     # The states lifted to `[1, B, H]` are the final states as the caller
     # stacks them, so that the new cell state is the output itself, not a
     # reshape of it: XLA:CPU fused such a reshape into a kernel of its own,
@@ -266,10 +266,10 @@ def forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR, matmul=jnp.matmul,
   return ys, hT, cT, res
 
 
-def is_one_step(steps) -> bool:
-  """Whether a time axis of `steps` holds one step, known as such (not a
-  symbolic one)."""
-  return isinstance(steps, (int, np.integer)) and steps == 1
+def is_known_one(n) -> bool:
+  """Whether an axis of size `n` (one step, one sequence) is known to hold
+  one: a concrete 1, not a symbolic size."""
+  return isinstance(n, (int, np.integer)) and n == 1
 
 
 def _recurrence(mode, xs, valid, h0, c0, W, R, bW, bR):

@@ -471,11 +471,10 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
     # processes: LSTM B1 I64 H128 13.5 -> 12.7 (13.4), 15.2 -> 13.6 (14.2),
     # 14.9 -> 13.8 (13.4), paired round by round 0.91-0.96x; GRU 0.90-0.97x;
     # LSTM I128 H256 0.98-1.00x; two layers I256 H256 1.00-1.01x, where the
-    # products read memory; bfloat16 0.97-0.99x (session 77). (`is_one_step`
-    # asks it of the batch axis: a concrete one of one sequence.) On a CPU, as
+    # products read memory; bfloat16 0.97-0.99x (session 77). On a CPU, as
     # measured; a GPU's fusions may differ.
     step_axis = transposed_in_loop or (looped and not coefficients
-                                       and _reference.is_one_step(xs[0].shape[1])
+                                       and _reference.is_known_one(xs[0].shape[1])
                                        and jax.default_backend() == "cpu")
     ys, hT, cT, res = _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR,
                                               matmul, joined, last_cells, stacked,
