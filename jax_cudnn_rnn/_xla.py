@@ -112,7 +112,9 @@ figures from one process, interleaved (benchmarks/NOTES.md, session 22).
 But a one-step call that sees it runs in a loop closing over its weights
 (`weights_from_enclosing_trace`: a decoder's `lax.scan`) multiplies by them
 transposed where the recurrent matrix is small (`_transposes_in_loop`; LSTM
-B8 I64 H128, 64 steps: 52.7 -> 40.8 us a token, Flax's cell 36.1; session 74).
+B8 I64 H128, 64 steps: 52.7 -> 40.8 us a token, Flax's cell 36.1; session 74),
+and for middling hidden sizes as a product per gate, as Flax's cells do
+(`_gate_blocks_in_loop`; GRU B8 I256 H256 117.6 -> 81.8; session 78).
 And a float32 one-step call outside such a loop, over large enough matrices
 and a small batch, slices nothing: it multiplies the whole buffer, viewed as
 rows as wide as its input and as its states (`_one_step`'s rule; GRU B8 I256
@@ -366,6 +368,77 @@ LOOP_TRANSPOSED_NARROW_INPUT = 128  # an input at most this wide ...
 LOOP_TRANSPOSED_NARROW_MAX_BYTES = 1 << 20  # ... transposes an R up to this, included
 
 
+# Gate blocks in a loop. Past H128 a gate-stacked product `[B, in] x [in, g*H]`
+# is one that YNNPACK splits over the two threads of a 2-core CPU, and in a
+# decoder's loop its second thread sleeps between steps: traced (GRU B32 I128
+# H256, 64-step loop), each of the step's two products posted work whose
+# worker started 40-70 us later, the input's `[32, 128] x [128, 768]` taking
+# 70-123 us where it takes 36 unsplit, while Flax's cells' six `[32, 256]`
+# products ran unsplit on one thread. There a product per gate, `[B, in] x
+# [in, H]` from weights cut into column blocks before the loop (hoisted with
+# the transposes), the results joined, gained; from H320 (the blocks split
+# anyway) and at H160 and below (the stacked product not split) it lost, and
+# so it did past 32 sequences and, for an LSTM, under an input wider than 128
+# (whose opaque blocks' products were the quicker). 2-core Xeon with AMX, jax
+# 0.10.2, float32, a 64-step scan of one-step calls, us a token, now -> gate
+# blocks (Flax's cells), interleaved in one process, paired round by round in
+# brackets (benchmarks/NOTES.md, session 78):
+# - GRU I256 H256: B2 61.8 -> 35.1 (0.61x), B4 51.5 -> 50.8 (0.99x), B8 117.6
+#   -> 81.8 (0.71x), 111.3 -> 81.7 (0.73x), B16 167.7 -> 141.9 (0.83x), B32
+#   252.8 -> 248.3 (1.00x); GRU I128 H256: B4 34.9 -> 28.9 (0.84x), B16 121.6
+#   -> 91.1 (0.75x), B24 182.1 -> 132.9 (0.73x), B32 234.7 -> 175.9 (0.74x),
+#   B48 293.0 -> 259.4 (0.89x), B64 342.1 -> 429.3 (1.25x); GRU I64 H256 B8
+#   50.8 -> 45.0 (0.88x); I128 H192 B8 39.4 -> 35.8 (0.91x), B16 79.2 -> 60.4
+#   (0.76x), B32 133.9 -> 112.7 (0.85x); I256 H224 B8 83.1 -> 63.7 (0.77x);
+#   but I256 H320 B8 118.5 -> 124.8 (1.05x), I512 H512 B8 334.0 -> 404.5
+#   (1.23x), I128 H160 B8 25.8 -> 29.7 (1.13x), I64 H128 B16 24.4 -> 28.8
+#   (1.18x), two layers I256 H256 B1 122.4 -> 130.8 (1.07x). Flax's cells ran
+#   0.51-0.81x of "now" at H192-H256.
+# - LSTM I128 H256: B4 48.0 -> 47.5 (0.98x), B8 82.1 -> 73.5 (0.96x), B16
+#   178.8 -> 133.0 (0.74x), B24 206.8 -> 176.1 (0.84x), B32 263.6 -> 248.2
+#   (0.93x), B48 320.6 -> 336.4 (1.06x); I64 H256 B8 66.4 -> 59.3 (0.91x);
+#   I128 H192 B8 57.9 -> 45.3 (0.78x); I64 H192 B16 80.6 -> 65.9 (0.82x), B8
+#   34.0 -> 34.7 (1.02x); but I256 H256 B4 57.0 -> 84.5 (1.46x), B8 118.5 ->
+#   131.3 (1.13x), B16 180.3 -> 197.5 (1.10x), I256 H192 B8 65.0 -> 68.4
+#   (1.06x), I512 H512 B8 358.9 -> 528.7 (1.48x), I64 H128 B8 19.8 -> 22.8
+#   (1.15x). Two gates a block (`[in, 2H]`) gained less or lost (GRU r and z
+#   together: B16 I128 H256 1.10x, LSTM B16 I128 H256 1.09x).
+# On a quieter host than earlier sessions' (every contender about twice as
+# fast as in session 77's grid), where this loop's GRU had run level with
+# Flax's cells. A CPU's other thread counts and YNNPACK's own choices may
+# draw the window elsewhere.
+GATE_BLOCKS_HIDDEN = (192, 256)  # the hidden sizes, included
+GATE_BLOCKS_BATCH = (2, 32)  # the sequences, included
+
+
+def _gate_blocks_in_loop(mode, operands, xs, R) -> bool:
+  """Whether a one-step forward in a loop that closes over its weights
+  multiplies by each gate's transposed columns apart (the comment above): an
+  LSTM's or GRU's layer, the model's own float32 products (`operands` None),
+  `GATE_BLOCKS_HIDDEN` units, `GATE_BLOCKS_BATCH` sequences, for an LSTM an
+  input at most `LOOP_TRANSPOSED_NARROW_INPUT` wide, on a CPU. `R`: the
+  transposed recurrent matrices, `[H, g*H]`."""
+  batch, hidden = xs[0].shape[1], R[0].shape[0]
+  return (mode in ("lstm", "gru") and operands is None
+          and np.dtype(R[0].dtype) == np.float32
+          and not jax.export.is_symbolic_dim(batch)
+          and GATE_BLOCKS_BATCH[0] <= batch <= GATE_BLOCKS_BATCH[1]
+          and GATE_BLOCKS_HIDDEN[0] <= hidden <= GATE_BLOCKS_HIDDEN[1]
+          and (mode == "gru" or xs[0].shape[-1] <= LOOP_TRANSPOSED_NARROW_INPUT)
+          and jax.default_backend() == "cpu")
+
+
+def _gate_blocks(m: jax.Array, hidden: int) -> tuple:
+  """`m [in, g*H]`'s column blocks of `hidden`, one a gate."""
+  return tuple(m[:, k:k + hidden] for k in range(0, m.shape[1], hidden))
+
+
+def _blocked_matmul(matmul):
+  """A `matmul(a, blocks)` multiplying `a` by each of `_gate_blocks`' blocks
+  with `matmul`, the products joined: `a @ m` of the joined blocks."""
+  return lambda a, blocks: jnp.concatenate([matmul(a, b) for b in blocks], -1)
+
+
 def weights_from_enclosing_trace(params, operands) -> bool:
   """Whether `params` is a tracer of a trace enclosing the call's own, where
   some of `operands` (the input and states; None for absent ones) are
@@ -431,7 +504,9 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   _, matmul, round_ = _products(operands, widen)
   W = None if W is None else tuple(round_(w) for w in W)
   R = tuple(round_(r) for r in R)
-  transposed_in_loop = looped and not coefficients and _transposes_in_loop(operands, xs, R)
+  blocked = looped and not coefficients and _gate_blocks_in_loop(mode, operands, xs, R)
+  transposed_in_loop = blocked or (looped and not coefficients
+                                   and _transposes_in_loop(operands, xs, R))
   opaque = _reads_opaque_orientation(xs[0]) and not transposed_in_loop
   if opaque:
     # Back to the opaque buffer's `[g*H, .]` blocks (XLA cancels the two
@@ -443,9 +518,15 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
     chunk = _chunks.derivative_chunk(mode, xs, h0, R)
   else:
     chunk = _chunks.forward_chunk(mode, xs, W, R, lanes)
-  stacked = not coefficients and _stacks_weights(mode, operands, xs, W, R, chunk, opaque)
+  stacked = (not coefficients and not blocked
+             and _stacks_weights(mode, operands, xs, W, R, chunk, opaque))
   if stacked:
     R, W = tuple(jnp.concatenate([w, r]) for w, r in zip(W, R)), None
+  if blocked:
+    hidden = R[0].shape[0]
+    W = None if W is None else tuple(_gate_blocks(w, hidden) for w in W)
+    R = tuple(_gate_blocks(r, hidden) for r in R)
+    matmul = _blocked_matmul(matmul)
   # Pins the prepared weights and biases, so that XLA hoists their slicing
   # (and transposes) out of a loop around this call (the module docstring).
   W, R, bW, bR = jax.lax.optimization_barrier((W, R, bW, bR))

@@ -1112,12 +1112,70 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   g = spec.num_gates
   assert (_xla.LOOP_TRANSPOSED_MAX_BYTES < g * hidden * hidden * 4
           <= _xla.LOOP_TRANSPOSED_NARROW_MAX_BYTES)
+  # (More sequences than a GRU's or an LSTM's gate blocks take: the test below.)
+  batch = _xla.GATE_BLOCKS_BATCH[1] + 1
   for inputs, transposed in ((_xla.LOOP_TRANSPOSED_NARROW_INPUT, True),
                              (_xla.LOOP_TRANSPOSED_NARROW_INPUT + 1, False)):
     wide = cls(1, hidden, inputs, dtype=jnp.float32)
     decode = _decoder(wide, _xla.rnn)
-    args = (*random_inputs(wide, 1, 3), wide.init_params(jax.random.key(3)))
+    args = (*random_inputs(wide, 1, batch), wide.init_params(jax.random.key(3)))
     assert _loops_per_token(decode, *args) == (0 if transposed else 1), inputs
+    assert _products_per_token(decode, *args) == (1 if stacks and transposed else 2), inputs
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
+def test_decoder_loop_multiplies_gate_blocks(cls):
+  """In a decoder's loop closing over its float32 weights, an LSTM or GRU with
+  `GATE_BLOCKS_HIDDEN` units over `GATE_BLOCKS_BATCH` sequences (an LSTM's
+  input at most `LOOP_TRANSPOSED_NARROW_INPUT` wide) multiplies by each
+  gate's transposed columns apart, one product a gate for the input and one
+  for the state, on the step axis kept (`_xla._gate_blocks_in_loop`); one
+  sequence, one more, a hidden size either side of the window, an LSTM's
+  wider input, bfloat16, or a GPU keep the stacked or opaque products.
+  Values and gradients against the reference's loop, with lengths (0 among
+  them), over two bidirectional layers."""
+  low, high = _xla.GATE_BLOCKS_HIDDEN
+  narrow = _xla.LOOP_TRANSPOSED_NARROW_INPUT
+  g = cls(1, 8, 8).num_gates
+  def products(hidden, inputs, batch, dtype=jnp.float32, **kw):
+    spec = cls(1, hidden, inputs, dtype=dtype, **kw)
+    args = (*random_inputs(spec, 1, batch), spec.init_params(jax.random.key(3)))
+    return _products_per_token(_decoder(spec, _xla.rnn), *args)
+  lo_batch, hi_batch = _xla.GATE_BLOCKS_BATCH
+  assert products(low, narrow, lo_batch) == 2 * g
+  assert products(high, narrow, hi_batch) == 2 * g
+  # skip_input: no input matrix; an LSTM's input as wide as its state keeps one product.
+  assert products(high, high, 4, input_mode="skip_input") == (g if cls is jcr.CudnnGRU else 1)
+  assert products(low, narrow + 1, 4) == (2 * g if cls is jcr.CudnnGRU else 2)
+  for hidden, batch in ((low - 1, 4), (high + 1, 4), (low, 1), (low, hi_batch + 1)):
+    assert products(hidden, narrow, batch) < 2 * g, (hidden, batch)
+  assert products(low, narrow, 4, dtype=jnp.bfloat16) == 2
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(jax, "default_backend", lambda: "gpu")
+    assert products(low + 1, narrow, 4) == 2  # a shape not traced before
+  spec = cls(2, low, narrow, direction="bidirectional", dtype=jnp.float32)
+  x, h, c = random_inputs(spec, 1, 3)
+  params = spec.init_params(jax.random.key(5))
+  fast, slow = _decoder(spec, _xla.rnn), _decoder(spec, _reference.rnn)
+  # Layer 0 in gate blocks, both directions, on the step axis kept; layer 1's
+  # input (2H) is wider than an LSTM's blocks take: the opaque blocks, in a
+  # loop of their own.
+  gru = cls is jcr.CudnnGRU
+  assert _products_per_token(fast, x, h, c, params) == (8 * g if gru else 4 * g + 2 * 2)
+  assert _loops_per_token(fast, x, h, c, params) == (0 if gru else 1)
+  tol = dict(rtol=2e-5, atol=2e-5)
+  for lengths in (None, jnp.array([1, 0, 1], jnp.int32)):
+    got, want = (jax.jit(_decoder(spec, r, seq_lengths=lengths))(x, h, c, params)
+                 for r in (_xla.rnn, _reference.rnn))
+    for a, b in zip(got, want):
+      if b is not None:
+        np.testing.assert_allclose(a, b, **tol)
+  np.testing.assert_array_equal(got[1][:, 1], h[:, 1])  # length 0: the state kept
+  loss = lambda decode: lambda x, h, p: jnp.sum(jnp.sin(decode(x, h, c, p)[0]))
+  for a, b in zip(jax.jit(jax.grad(loss(fast), argnums=(0, 1, 2)))(x, h, params),
+                  jax.jit(jax.grad(loss(slow), argnums=(0, 1, 2)))(x, h, params)):
+    np.testing.assert_allclose(a, b, **tol)
 
 
 def _products_per_step(fn, *args) -> int:
