@@ -175,7 +175,7 @@ def _lstm_cell(xp, rec, h, c, coefficients):
     t = jnp.tanh((xp + rec) * scale)
     i, f, g, o = jnp.split(t * scale + (1 - scale), 4, axis=-1)
   else:
-    i, f, g, o = jnp.split(xp + rec, 4, axis=-1)
+    i, f, g, o = _split_gates(xp + rec, 4)
     i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
   c_new = f * c + i * g
   tc = jnp.tanh(c_new)
@@ -193,8 +193,8 @@ def _lstm_gate_scale(H: int, dtype) -> np.ndarray:
 
 
 def _gru_cell(xp, rec, h, c, coefficients):
-  x_r, x_z, x_n = jnp.split(xp, 3, axis=-1)
-  r_r, r_z, r_n = jnp.split(rec, 3, axis=-1)
+  x_r, x_z, x_n = _split_gates(xp, 3)
+  r_r, r_z, r_n = _split_gates(rec, 3)
   r = jax.nn.sigmoid(x_r + r_r)
   z = jax.nn.sigmoid(x_z + r_z)
   n = jnp.tanh(x_n + r * r_n)
@@ -435,8 +435,34 @@ def _gate_blocks(m: jax.Array, hidden: int) -> tuple:
 
 def _blocked_matmul(matmul):
   """A `matmul(a, blocks)` multiplying `a` by each of `_gate_blocks`' blocks
-  with `matmul`, the products joined: `a @ m` of the joined blocks."""
-  return lambda a, blocks: jnp.concatenate([matmul(a, b) for b in blocks], -1)
+  with `matmul`: `a @ m` of the joined blocks, as `_GateProducts`."""
+  return lambda a, blocks: _GateProducts(matmul(a, b) for b in blocks)
+
+
+class _GateProducts(tuple):
+  """Each gate's pre-activations apart, as `_blocked_matmul` makes them: a
+  bias added (`_reference.project_inputs`, a GRU's `R_n h + bR_n`) or another
+  such sum goes to each block, and the cells take the blocks as their gates
+  (`_split_gates`), where an array is split. Joined (`jnp.concatenate`), the
+  products were a copy a step which XLA did not fuse into the cell; apart,
+  the loop body's kernels are those of Flax's cells, and its time a token,
+  paired round by round against the joined products: GRU B32 I128 H256
+  0.95x, B16 I128 H192 0.95x, B8 I256 H256 0.99x, B2 1.01x; LSTM B16 I128
+  H256 0.97x, B4 0.95x, I128 H192 B8 0.96x (benchmarks/NOTES.md, session 78)."""
+
+  def __add__(self, other):
+    parts = other if isinstance(other, _GateProducts) else jnp.split(other, len(self), -1)
+    return _GateProducts(a + b for a, b in zip(self, parts))
+
+  @property
+  def ndim(self) -> int:
+    return self[0].ndim
+
+
+def _split_gates(a, gates: int) -> tuple:
+  """A cell's pre-activations gate by gate: `_GateProducts`' blocks, or an
+  array's `gates` equal parts of its last axis."""
+  return tuple(a) if isinstance(a, _GateProducts) else jnp.split(a, gates, axis=-1)
 
 
 def weights_from_enclosing_trace(params, operands) -> bool:
