@@ -376,7 +376,8 @@ LOOP_TRANSPOSED_NARROW_MAX_BYTES = 1 << 20  # ... transposes an R up to this, in
 # 70-123 us where it takes 36 unsplit, while Flax's cells' six `[32, 256]`
 # products ran unsplit on one thread. There a product per gate, `[B, in] x
 # [in, H]` from weights cut into column blocks before the loop (hoisted with
-# the transposes), the results joined, gained; from H320 (the blocks split
+# the transposes), gained (measured with the products joined, as below; kept
+# apart since, `_GateProducts`); from H320 (the blocks split
 # anyway) and at H160 and below (the stacked product not split) it lost, and
 # so it did past 32 sequences and, for an LSTM, under an input wider than 128
 # (whose opaque blocks' products were the quicker). 2-core Xeon with AMX, jax
@@ -405,7 +406,7 @@ LOOP_TRANSPOSED_NARROW_MAX_BYTES = 1 << 20  # ... transposes an R up to this, in
 #   together: B16 I128 H256 1.10x, LSTM B16 I128 H256 1.09x).
 # On a quieter host than earlier sessions' (every contender about twice as
 # fast as in session 77's grid), where this loop's GRU had run level with
-# Flax's cells. A CPU's other thread counts and YNNPACK's own choices may
+# Flax's cells. Another CPU's thread count, and YNNPACK's own choices, may
 # draw the window elsewhere.
 GATE_BLOCKS_HIDDEN = (192, 256)  # the hidden sizes, included
 GATE_BLOCKS_BATCH = (2, 32)  # the sequences, included
