@@ -420,13 +420,10 @@ def _gate_blocks_in_loop(mode, operands, xs, R) -> bool:
   input at most `LOOP_TRANSPOSED_NARROW_INPUT` wide, on a CPU. `R`: the
   transposed recurrent matrices, `[H, g*H]`."""
   batch, hidden = xs[0].shape[1], R[0].shape[0]
-  return (mode in ("lstm", "gru") and operands is None
-          and np.dtype(R[0].dtype) == np.float32
-          and not jax.export.is_symbolic_dim(batch)
+  return (mode in ("lstm", "gru") and _float32_loop_on_cpu(operands, R, batch)
           and GATE_BLOCKS_BATCH[0] <= batch <= GATE_BLOCKS_BATCH[1]
           and GATE_BLOCKS_HIDDEN[0] <= hidden <= GATE_BLOCKS_HIDDEN[1]
-          and (mode == "gru" or xs[0].shape[-1] <= LOOP_TRANSPOSED_NARROW_INPUT)
-          and jax.default_backend() == "cpu")
+          and (mode == "gru" or xs[0].shape[-1] <= LOOP_TRANSPOSED_NARROW_INPUT))
 
 
 def _gate_blocks(m: jax.Array, hidden: int) -> tuple:
@@ -493,10 +490,16 @@ def _transposes_in_loop(operands, xs, R) -> bool:
   batch = xs[0].shape[1]  # asked where `_reads_opaque_orientation`: one step if batch > 1
   size = R[0].size * R[0].dtype.itemsize
   narrow = xs[0].shape[-1] <= LOOP_TRANSPOSED_NARROW_INPUT
+  return (_float32_loop_on_cpu(operands, R, batch) and batch > 1
+          and size <= (LOOP_TRANSPOSED_NARROW_MAX_BYTES if narrow else LOOP_TRANSPOSED_MAX_BYTES))
+
+
+def _float32_loop_on_cpu(operands, R, batch) -> bool:
+  """What the loop rules (`_transposes_in_loop`, `_gate_blocks_in_loop`)
+  ask first: the model's own float32 products (`operands` None, `R` float32),
+  a concrete batch, on a CPU, where they were measured."""
   return (operands is None and np.dtype(R[0].dtype) == np.float32
-          and not jax.export.is_symbolic_dim(batch) and batch > 1
-          and size <= (LOOP_TRANSPOSED_NARROW_MAX_BYTES if narrow else LOOP_TRANSPOSED_MAX_BYTES)
-          and jax.default_backend() == "cpu")
+          and not jax.export.is_symbolic_dim(batch) and jax.default_backend() == "cpu")
 
 
 def _opaque_matmul(operands, widen, a: jax.Array, w: jax.Array) -> jax.Array:
@@ -531,9 +534,9 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
   _, matmul, round_ = _products(operands, widen)
   W = None if W is None else tuple(round_(w) for w in W)
   R = tuple(round_(r) for r in R)
-  blocked = looped and not coefficients and _gate_blocks_in_loop(mode, operands, xs, R)
-  transposed_in_loop = blocked or (looped and not coefficients
-                                   and _transposes_in_loop(operands, xs, R))
+  loop_step = looped and not coefficients  # a decoder's step: the forward alone, in a loop
+  blocked = loop_step and _gate_blocks_in_loop(mode, operands, xs, R)
+  transposed_in_loop = blocked or (loop_step and _transposes_in_loop(operands, xs, R))
   opaque = _reads_opaque_orientation(xs[0]) and not transposed_in_loop
   if opaque:
     # Back to the opaque buffer's `[g*H, .]` blocks (XLA cancels the two
@@ -581,7 +584,7 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
     # LSTM I128 H256 0.98-1.00x; two layers I256 H256 1.00-1.01x, where the
     # products read memory; bfloat16 0.97-0.99x (session 77). On a CPU, as
     # measured; a GPU's fusions may differ.
-    step_axis = transposed_in_loop or (looped and not coefficients
+    step_axis = transposed_in_loop or (loop_step
                                        and _reference.is_known_one(xs[0].shape[1])
                                        and jax.default_backend() == "cpu")
     ys, hT, cT, res = _reference.forward_scan(mode, cell, xs, valid, h0, c0, W, R, bW, bR,
