@@ -23,7 +23,10 @@
 # shapes where session 38 found our cuDNN forward slower than PyTorch's), profile-leads
 # (session 45's leads: the smallest LSTM without XLA's command buffers, where the
 # batch-major call's two transposes cost ~100 us of wall time for ~2 us of kernels on an
-# H100, and in bfloat16, where cuDNN's persistent algorithm is not asked for).
+# H100, and in bfloat16, where cuDNN's persistent algorithm is not asked for), fuzz-cudnn
+# (tests/fuzz_against_reference.py --implementation cudnn: random models and calls, values,
+# gradients, vmap and a decoder's loop against the reference; it starts no new case after
+# FUZZ_S seconds, default 120, seed FUZZ_SEED, default 0).
 #
 # A device command may run 10 minutes, so the stages of one call share a budget
 # (BUDGET seconds, default 570): each gets what is left, a stage that would start
@@ -137,8 +140,12 @@ for stage in "${stages[@]}"; do
         | tee '$out/bench-sweep-$stamp.log' | tail -40" ;;
     bench-decode-large)
       run_stage bench-decode-large bash -c "set -o pipefail; python3 benchmarks/decode.py --large --out-dir '$out' 2>&1 | tail -40" ;;
+    fuzz-cudnn)
+      run_stage fuzz-cudnn bash -c "set -o pipefail; python3 tests/fuzz_against_reference.py --implementation cudnn \
+        --seed ${FUZZ_SEED:-0} --cases 10000 --budget-s \$((STAGE_LEFT - 45 < ${FUZZ_S:-120} ? STAGE_LEFT - 45 : ${FUZZ_S:-120})) 2>&1 \
+        | tee '$out/fuzz-cudnn-$stamp.log' | tail -40" ;;
     *)
-      echo "unknown stage $stage (build, gpu-checks, gpu-sweep, gpu-tests, demo, suite, bench-quick, bench-full, bench-sweep, bench-decode, bench-decode-large, profile, profile-leads)"
+      echo "unknown stage $stage (build, gpu-checks, gpu-sweep, gpu-tests, demo, suite, bench-quick, bench-full, bench-sweep, bench-decode, bench-decode-large, profile, profile-leads, fuzz-cudnn)"
       exit 2 ;;
   esac
 done

@@ -1,0 +1,97 @@
+"""`fuzz_against_reference.py`, the by-hand fuzz: its draws stay within their
+bounds, a small case of each check passes, and a broken call is caught."""
+
+import collections
+import dataclasses
+import random
+
+import jax
+import pytest
+
+import fuzz_against_reference as fuzz
+from helpers import on_a_cpu_host
+
+SMALL = fuzz.Case(mode="lstm", layers=2, direction="bidirectional", input_mode="linear_input",
+                  inputs=5, hidden=6, steps=4, batch=3, dtype="float32", time_major=True,
+                  lengths=True, dropout=0.0, check="grad")
+
+
+def test_draws_stay_within_bounds():
+  for implementation in ("xla", "cudnn"):
+    rng = random.Random(0)
+    cases = [fuzz.draw(rng, implementation) for _ in range(400)]
+    checks = collections.Counter(c.check for c in cases)
+    want = {"grad", "vmap", "decode"} | ({"jvp", "hvp"} if implementation == "xla" else set())
+    assert set(checks) == want, checks
+    for c in cases:
+      c.spec()  # a valid configuration
+      assert 1 <= c.steps <= 100 and 1 <= c.batch <= 64
+      work = c.hidden * max(c.inputs, c.hidden) * c.batch * c.steps
+      assert c.steps == 1 or work <= (4e6 if c.check == "hvp" else 3e7), c
+      if c.check == "decode":
+        assert c.steps == 1 and c.time_major and c.dropout == 0, c
+      assert c.dropout == 0 or c.layers > 1, c
+
+
+@pytest.mark.parametrize("case", [
+    SMALL,
+    dataclasses.replace(SMALL, mode="gru", check="jvp", time_major=False),
+    dataclasses.replace(SMALL, mode="rnn_tanh", check="hvp", dropout=0.3),
+    dataclasses.replace(SMALL, mode="rnn_relu", check="vmap", direction="unidirectional"),
+    dataclasses.replace(SMALL, mode="gru", check="decode", steps=1, lengths=False),
+    dataclasses.replace(SMALL, check="decode", steps=1, dtype="bfloat16"),
+], ids=str)
+def test_small_case_matches_reference(case):
+  found = fuzz.errors(case, seed=1)
+  assert set(found) >= {"out"} and len(found) >= 2, found
+  assert fuzz.verdict(case, "xla", found) == "ok", found
+
+
+def test_broken_values_and_gradients_are_caught():
+  def scaled_output(spec, x, h0, c0, params, **options):
+    y, h, c = fuzz.public_call(spec, x, h0, c0, params, **options)
+    return y * 1.001, h, c
+
+  def no_state_gradient(spec, x, h0, c0, params, **options):
+    return fuzz.public_call(spec, x, jax.lax.stop_gradient(h0), c0, params, **options)
+
+  case = dataclasses.replace(SMALL, layers=1, direction="unidirectional")
+  found = fuzz.errors(case, seed=1, call=scaled_output)
+  assert found["out"] > 1e-4 and fuzz.verdict(case, "xla", found) == "BAD", found
+  found = fuzz.errors(case, seed=1, call=no_state_gradient)
+  assert found["out"] < 1e-6 and found["grad"] > 0.1, found
+  assert fuzz.verdict(case, "xla", found) == "BAD"
+
+
+def test_bfloat16_relu_derivatives_are_shown_not_compared():
+  case = dataclasses.replace(SMALL, mode="rnn_relu", dtype="bfloat16")
+  assert fuzz.verdict(case, "xla", {"out": 1e-3, "grad": 0.5}) == "ok-relu-bf16"
+  assert fuzz.verdict(case, "xla", {"out": 0.5, "grad": 0.0}) == "BAD"
+  assert fuzz.verdict(case, "xla", {"out": float("nan"), "grad": 0.0}) == "BAD"
+  assert fuzz.verdict(dataclasses.replace(case, mode="gru"), "xla",
+                      {"out": 1e-3, "grad": 0.5}) == "BAD"
+
+
+@pytest.mark.parametrize("found,rc", [({"out": 1e-7, "grad": 1e-7}, 0),
+                                      ({"out": 1e-7, "grad": 1e-2}, 1),
+                                      (ValueError("cuDNN rejected the configuration"), 0),
+                                      (TypeError("a bug"), 1)])
+def test_main_counts_and_exit_status(monkeypatch, capsys, found, rc):
+  def errors(case, seed, implementation):
+    if isinstance(found, Exception):
+      raise found
+    return found
+
+  monkeypatch.setattr(fuzz, "draw", lambda rng, implementation: SMALL)
+  monkeypatch.setattr(fuzz, "errors", errors)
+  assert fuzz.main(["--cases", "3"]) == rc
+  summary = capsys.readouterr().out.splitlines()[-1]
+  want = {0: "ok=3", 1: "BAD=3"}[rc] if isinstance(found, dict) else (
+      "rejected=3" if rc == 0 else "raised=3")
+  assert want in summary, summary
+
+
+@on_a_cpu_host
+def test_main_stops_where_cudnn_cannot_run(capsys):
+  assert fuzz.main(["--implementation", "cudnn"]) == 1
+  assert "implementation='cudnn' cannot run here" in capsys.readouterr().out
