@@ -33,10 +33,28 @@ def test_dropout_equals_layers_composed_with_documented_masks(time_major):
     np.testing.assert_allclose(hn[s], hl, rtol=1e-12)
     np.testing.assert_allclose(cn[s], cl, rtol=1e-12)
     if layer < 2:
-      keep = jax.random.bernoulli(jax.random.fold_in(key, layer), 1 - rate, out.shape)
+      keep = jax.random.bernoulli(jax.random.fold_in(key, layer), np.float32(1 - rate),
+                                  out.shape)
       out = np.where(keep, out / (1 - rate), 0.0)
     layer_in = out
   np.testing.assert_allclose(y, layer_in, rtol=1e-12)
+
+
+def test_masks_do_not_depend_on_x64():
+  """A key draws the same masks with `jax_enable_x64` on (as in these tests)
+  and off, for models of any dtype."""
+  key = jax.random.key(3)
+  with jax.enable_x64(False):
+    without = np.asarray(jcr.dropout_keep_mask(key, 1, (7, 5, 6), 0.3))
+    spec = jcr.CudnnRNNTanh(2, 6, 4, dropout=0.3)
+    x, h, _ = random_inputs(spec, 7, 5)
+    params = spec.init_params(jax.random.key(0))
+    y_without = np.asarray(spec(x, h, params, dropout_key=key, implementation="xla")[0])
+  with jax.enable_x64(True):
+    np.testing.assert_array_equal(jcr.dropout_keep_mask(key, 1, (7, 5, 6), 0.3), without)
+    y_with = spec(x, h, params, dropout_key=key, implementation="xla")[0]
+  assert 0.5 < without.mean() < 0.9
+  np.testing.assert_array_equal(y_with, y_without)
 
 
 def test_dropout_rate_and_scaling_statistics():
