@@ -58,6 +58,9 @@ def test_broken_values_and_gradients_are_caught():
   case = dataclasses.replace(SMALL, layers=1, direction="unidirectional")
   found = fuzz.errors(case, seed=1, call=scaled_output)
   assert found["out"] > 1e-4 and fuzz.verdict(case, "xla", found) == "BAD", found
+  # Out of tolerance, so judged against the float64 reference, which the
+  # float32 one meets.
+  assert found["out-f64"] > 1e-4 and found["ref-out-f64"] < 1e-5, found
   found = fuzz.errors(case, seed=1, call=no_state_gradient)
   assert found["out"] < 1e-6 and found["grad"] > 0.1, found
   assert fuzz.verdict(case, "xla", found) == "BAD"
@@ -95,3 +98,13 @@ def test_main_counts_and_exit_status(monkeypatch, capsys, found, rc):
 def test_main_stops_where_cudnn_cannot_run(capsys):
   assert fuzz.main(["--implementation", "cudnn"]) == 1
   assert "implementation='cudnn' cannot run here" in capsys.readouterr().out
+
+
+def test_float64_reference_decides_a_float32_case():
+  f32 = dataclasses.replace(SMALL, check="jvp")
+  rescued = {"out": 1e-7, "jvp": 2e-2, "out-f64": 1e-7, "ref-out-f64": 1e-7,
+             "jvp-f64": 2e-7, "ref-jvp-f64": 2e-2}
+  assert fuzz.verdict(f32, "xla", rescued) == "ok-by-f64"
+  assert fuzz.verdict(f32, "xla", {**rescued, "jvp-f64": 2e-2}) == "BAD"
+  assert fuzz.verdict(f32, "xla", {**rescued, "out-f64": 1e-3}) == "BAD"
+  assert fuzz.verdict(f32, "xla", {"out": 1e-7, "jvp": 2e-7}) == "ok"
