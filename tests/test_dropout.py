@@ -42,7 +42,7 @@ def test_dropout_equals_layers_composed_with_documented_masks(time_major):
 
 def test_masks_do_not_depend_on_x64():
   """A key draws the same masks with `jax_enable_x64` on (as in these tests)
-  and off, for models of any dtype."""
+  and off, and a float32 model's outputs under dropout are the same."""
   key = jax.random.key(3)
   with jax.enable_x64(False):
     without = np.asarray(jcr.dropout_keep_mask(key, 1, (7, 5, 6), 0.3))
