@@ -95,6 +95,21 @@ def test_main_counts_and_exit_status(monkeypatch, capsys, found, rc):
 
 
 @on_a_cpu_host
+@pytest.mark.parametrize("case", [
+    dataclasses.replace(SMALL, mode="gru", dropout=0.3, direction="unidirectional"),
+    dataclasses.replace(SMALL, check="vmap", time_major=False, layers=1),
+    dataclasses.replace(SMALL, mode="rnn_relu", check="decode", steps=1, layers=1),
+], ids=str)
+def test_cudnn_mode_runs_against_the_handler_model(sizes, monkeypatch, case):
+  """The tool's cuDNN checks, against the model of the handlers (`handler_model.py`)
+  standing in for cuDNN: what `gpu_session.sh fuzz-cudnn` will run, short of cuDNN."""
+  sizes.install(monkeypatch.setattr)
+  found = fuzz.errors(case, seed=2, implementation="cudnn")
+  assert fuzz.verdict(case, "cudnn", found) == "ok", found
+  assert len(found) >= 2, found
+
+
+@on_a_cpu_host
 def test_main_stops_where_cudnn_cannot_run(capsys):
   assert fuzz.main(["--implementation", "cudnn"]) == 1
   assert "implementation='cudnn' cannot run here" in capsys.readouterr().out
