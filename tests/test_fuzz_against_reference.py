@@ -61,6 +61,11 @@ def test_broken_values_and_gradients_are_caught():
   # Out of tolerance, so judged against the float64 reference, which the
   # float32 one meets.
   assert found["out-f64"] > 1e-4 and found["ref-out-f64"] < 1e-5, found
+  # With dropout too: the float64 reference drops the same units.
+  dropped = dataclasses.replace(SMALL, dropout=0.3, direction="unidirectional")
+  found = fuzz.errors(dropped, seed=1, call=scaled_output)
+  assert found["out-f64"] > 1e-4 and found["ref-out-f64"] < 1e-5, found
+  assert found["ref-grad-f64"] < 1e-5, found
   found = fuzz.errors(case, seed=1, call=no_state_gradient)
   assert found["out"] < 1e-6 and found["grad"] > 0.1, found
   assert fuzz.verdict(case, "xla", found) == "BAD"
