@@ -60,6 +60,7 @@ import numpy as np
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _cudnn, _reference
+from helpers import call as public_call  # the spec's call as (y, h, c), c None without one
 
 CELLS = {"lstm": jcr.CudnnLSTM, "gru": jcr.CudnnGRU, "rnn_tanh": jcr.CudnnRNNTanh,
          "rnn_relu": jcr.CudnnRNNRelu}
@@ -121,13 +122,6 @@ def draw(rng: random.Random, implementation: str = "xla") -> Case:
               lengths=rng.random() < 0.4,
               dropout=rng.choice([0.0, 0.0, 0.3]) if layers > 1 and check != "decode" else 0.0,
               check=check)
-
-
-def public_call(spec, x, h0, c0, params, **options):
-  """The spec's call as `(y, h, c)`, c None for models without a cell state."""
-  if spec.has_cell_state:
-    return tuple(spec(x, h0, c0, params, **options))
-  return (*spec(x, h0, params, **options), None)
 
 
 def _relative(got, want) -> float:

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import fuzz_against_reference as fuzz
-from helpers import on_a_cpu_host
+from helpers import call, on_a_cpu_host
 
 SMALL = fuzz.Case(mode="lstm", layers=2, direction="bidirectional", input_mode="linear_input",
                   inputs=5, hidden=6, steps=4, batch=3, dtype="float32", time_major=True,
@@ -49,11 +49,11 @@ def test_small_case_matches_reference(case):
 
 def test_broken_values_and_gradients_are_caught():
   def scaled_output(spec, x, h0, c0, params, **options):
-    y, h, c = fuzz.public_call(spec, x, h0, c0, params, **options)
+    y, h, c = call(spec, x, h0, c0, params, **options)
     return y * 1.001, h, c
 
   def no_state_gradient(spec, x, h0, c0, params, **options):
-    return fuzz.public_call(spec, x, jax.lax.stop_gradient(h0), c0, params, **options)
+    return call(spec, x, jax.lax.stop_gradient(h0), c0, params, **options)
 
   case = dataclasses.replace(SMALL, layers=1, direction="unidirectional")
   found = fuzz.errors(case, seed=1, call=scaled_output)
