@@ -58,7 +58,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _layout, _spec
+from jax_cudnn_rnn import _layout, _params, _spec
 
 FORMAT = "jax_cudnn_rnn.canonical"
 VERSION = 1
@@ -219,6 +219,18 @@ def _read(directory: epath.Path, spec, dtype=None, sharding=None) -> jax.Array:
   return params if sharding is None else _place(params, sharding)
 
 
+def _check_savable_params(spec, params) -> None:
+  """Checks `params` before anything is written: a concrete opaque buffer of
+  `spec` (the shape and dtype its calls take). A traced one, under `jit`,
+  `grad` or `vmap`, has no values to write."""
+  if isinstance(params, jax.core.Tracer):
+    raise TypeError(
+        f"params must be a concrete array to be saved, got a traced "
+        f"{np.dtype(params.dtype).name}{list(params.shape)} "
+        "(saving writes files, so call it outside jit, grad and vmap, on the values they return)")
+  _params._check_params(spec, params)
+
+
 def _check_sharding(sharding) -> None:
   if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
     raise TypeError("sharding: expected a jax.sharding.Sharding or None, got "
@@ -271,6 +283,7 @@ class RNNParamsSave(ocp.args.CheckpointArgs):
 
   def __post_init__(self):
     _spec.check_spec(self.spec, type(self).__name__)
+    _check_savable_params(self.spec, self.params)
 
 
 @ocp.args.register_with_handler(RNNParamsHandler, for_restore=True)
@@ -356,6 +369,7 @@ def save(directory, spec, params) -> None:
   neither empty nor a checkpoint of this module: a file or a folder of other
   data is never replaced. With several processes, each calls it (module doc).
   """
+  args = RNNParamsSave(spec, params)  # checks its arguments before anything is written
   directory = epath.Path(directory).absolute()
   if directory.exists() and not _is_replaceable(directory):
     kind = "a directory that is not a jax_cudnn_rnn checkpoint" if directory.is_dir() else "a file"
@@ -370,7 +384,7 @@ def save(directory, spec, params) -> None:
   try:
     written = staging / "checkpoint"
     with ocp.Checkpointer(RNNParamsHandler()) as checkpointer:
-      checkpointer.save(written, args=RNNParamsSave(spec, params))
+      checkpointer.save(written, args=args)
     if primary:
       error = _move_into_place(written, directory, staging / "previous")
   finally:

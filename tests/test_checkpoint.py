@@ -90,6 +90,29 @@ def test_overwrite_keeps_good_checkpoint_on_failure(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["c"]  # no staging left behind
 
 
+def test_params_are_checked_before_anything_is_written(tmp_path):
+  spec = jcr.CudnnGRU(1, 4, 3)
+  params = spec.init_params(jax.random.key(0))
+  traced = r"params must be a concrete array to be saved, got a traced float32\[\d+\]"
+  with pytest.raises(TypeError, match=traced + r" \(saving writes files, so call it outside jit"):
+    jax.jit(lambda p: ck.save(tmp_path / "c", spec, p))(params)
+  with pytest.raises(TypeError, match=traced):
+    jax.vmap(lambda p: ck.save(tmp_path / "c", spec, p))(jnp.stack([params, params]))
+  with pytest.raises(TypeError, match=traced):
+    jax.grad(lambda p: ck.save(tmp_path / "c", spec, p) or 0.0)(params)
+  with pytest.raises(TypeError, match="params must be an array, got list"):
+    ck.save(tmp_path / "c", spec, list(np.asarray(params)))
+  with pytest.raises(TypeError, match="params must have dtype float32, got float64"):
+    ck.save(tmp_path / "c", spec, np.asarray(params, np.float64))
+  with pytest.raises(ValueError, match=r"params must have shape \(\d+,\)"):
+    ck.save(tmp_path / "c", spec, params[None])
+  with pytest.raises(TypeError, match=traced):  # Orbax's own entry point checks the same
+    jax.jit(lambda p: ck.RNNParamsSave(spec, p) and 0.0)(params)
+  assert os.listdir(tmp_path) == []  # no staging directory, no checkpoint
+  ck.save(tmp_path / "c", spec, np.asarray(params))  # a numpy buffer is concrete
+  np.testing.assert_array_equal(ck.restore(tmp_path / "c", spec), params)
+
+
 def _damage(path, how):
   arrays = path / ck.ARRAYS_FILE
   if how == "missing_arrays":
