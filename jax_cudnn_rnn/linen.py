@@ -16,6 +16,7 @@ the `"dropout"` rng stream.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, ClassVar, Optional
 
 import flax.linen as nn
@@ -78,6 +79,7 @@ class _FusedRNN(nn.Module):
       deterministic = True
     input_size = inputs.shape[-1]
     param_spec = self.spec(input_size)
+    self._check_input_size(inputs.shape, param_spec)
     params = self.param(
         "opaque_params", lambda key: param_spec.init_params(
             key, weight_initializer=self.kernel_init, bias_initializer=self.bias_init))
@@ -87,6 +89,36 @@ class _FusedRNN(nn.Module):
                         seq_lengths=seq_lengths, dropout_key=key, training=not deterministic,
                         time_major=self.time_major, implementation=self.implementation,
                         return_carry=self.return_carry)
+
+
+  def _check_input_size(self, inputs_shape: tuple, param_spec) -> None:
+    """Inputs of another width than the existing buffer was made for: a
+    ValueError naming both widths, rather than Flax's about the buffer's shape."""
+    if not self.has_variable("params", "opaque_params"):
+      return
+    size = int(jnp.size(self.get_variable("params", "opaque_params")))
+    if size == param_spec.params_size():
+      return
+    # Only layer 0's input matrices depend on the input size, under
+    # linear_input by g * H * dirs elements a feature (auto_select may have
+    # picked skip_input, which has none: the width of `features`).
+    linear = dataclasses.replace(param_spec, input_size=1, input_mode="linear_input")
+    per_feature = param_spec.num_gates * param_spec.num_units * param_spec.num_dirs
+    width = (size - linear.params_size()) // per_feature + 1
+
+    def fits(n: int) -> bool:
+      try:
+        return n > 0 and self.spec(n).params_size() == size
+      except ValueError:  # skip_input: only `features` wide
+        return False
+
+    candidates = [n for n in (width, self.features) if fits(n)]
+    made_for = (f"were made for input_size {candidates[0]}" if candidates else
+                "fit no input_size of this module")
+    raise ValueError(
+        f"inputs have input_size {param_spec.input_size} (the last axis of shape "
+        f"{tuple(inputs_shape)}), but this module's opaque_params ({size} elements) "
+        f"{made_for}; input_size {param_spec.input_size} needs {param_spec.params_size()}")
 
 
 class LSTM(_FusedRNN):

@@ -160,3 +160,25 @@ def test_carry_shapes_are_checked_in_the_modules_terms():
     lstm.apply(variables, x, (good, jnp.zeros((3, 4))))
   carry, _ = lstm.clone(return_carry=True).apply(variables, x, (good, good + 0.5))
   assert [a.shape for a in carry] == [(1, 3, 4)] * 2
+
+
+@pytest.mark.parametrize("module,made_for,given", [
+    (lambda: linen.LSTM(features=4), 3, 6),
+    (lambda: linen.GRU(features=4, num_layers=2, bidirectional=True), 6, 1),
+    (lambda: linen.SimpleRNN(features=4, input_mode="auto_select"), 3, 4),  # skip_input at 4
+    (lambda: linen.SimpleRNN(features=4, input_mode="auto_select"), 4, 3)])
+def test_inputs_of_another_width_than_the_params_name_both(module, made_for, given):
+  m = module()
+  variables = m.init(jax.random.key(0), jnp.ones((2, 5, made_for)))
+  size = variables["params"]["opaque_params"].size
+  needed = m.spec(given).params_size()
+  message = (rf"^inputs have input_size {given} \(the last axis of shape \(2, 5, {given}\)\), "
+             rf"but this module's opaque_params \({size} elements\) were made for input_size "
+             rf"{made_for}; input_size {given} needs {needed}")
+  for apply in (m.apply, jax.jit(m.apply)):
+    with pytest.raises(ValueError, match=message):
+      apply(variables, jnp.ones((2, 5, given)))
+  foreign = {"params": {"opaque_params": jnp.zeros(size + 1)}}
+  with pytest.raises(ValueError, match=r"\(%d elements\) fit no input_size of this module" % (size + 1)):
+    m.apply(foreign, jnp.ones((2, 5, made_for)))
+  assert m.apply(variables, jnp.ones((2, 5, made_for))).shape == (2, 5, m.spec(made_for).output_size)
