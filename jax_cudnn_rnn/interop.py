@@ -53,7 +53,10 @@ from jax_cudnn_rnn import _layout, _params, _spec
 
 def _np(a) -> np.ndarray:
   if hasattr(a, "detach"):  # torch tensor
-    a = a.detach().cpu().numpy()
+    a = a.detach().cpu()
+    if a.is_floating_point() and a.element_size() < 4:
+      a = a.float()  # exact; numpy has no bfloat16 (or float8) for .numpy() to make
+    a = a.numpy()
   return np.asarray(a)
 
 
@@ -128,21 +131,28 @@ def _torch_keys(layer, d) -> list[str]:
 
 @_spec.takes_spec
 def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
-  """Keys and values of `torch.nn.LSTM/GRU/RNN(..., bias=True)` with the same config."""
+  """Keys and values of `torch.nn.LSTM/GRU/RNN(..., bias=True)` with the same config:
+  numpy arrays, or with `as_tensors` torch tensors of the spec's dtype (a
+  bfloat16 spec's are `torch.bfloat16`, as `module.to(torch.bfloat16)` holds)."""
   out = {}
   for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
     W = _identity_inputs(spec) if W is None else W
     out.update(zip(_torch_keys(layer, d), map(np.concatenate, (W, R, bW, bR))))
   if as_tensors:
     import torch
-    out = {k: torch.from_numpy(np.ascontiguousarray(v.astype(np.float32) if v.dtype.itemsize < 4
-                                                    else v)) for k, v in out.items()}
+    dtype = {np.dtype(jnp.bfloat16): torch.bfloat16, np.dtype(np.float16): torch.float16,
+             np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}[spec.dtype]
+    # torch.from_numpy takes no bfloat16 array: through float32, exactly.
+    out = {k: torch.from_numpy(np.ascontiguousarray(v, np.float32 if v.dtype.itemsize < 4
+                                                    else v.dtype)).to(dtype)
+           for k, v in out.items()}
   return out
 
 
 @_spec.takes_spec
 def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
-  """An opaque buffer from a torch RNN state dict (numpy arrays or tensors)."""
+  """An opaque buffer from a torch RNN state dict (numpy arrays or tensors, of
+  any float dtype: cast to the spec's, bfloat16 and float16 ones exactly)."""
   if not isinstance(state_dict, Mapping):
     hint = " (a module: pass module.state_dict())" if hasattr(state_dict, "state_dict") else ""
     raise TypeError(f"state_dict must be a mapping of names to arrays or tensors, got "

@@ -85,6 +85,26 @@ def test_outputs_equal_torch_module(cls, direction):
   np.testing.assert_array_equal(interop.from_torch_state_dict(spec, module.state_dict()), params)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_torch_half_precision_state_dicts_both_ways(dtype):
+  """A bfloat16 module's state dict (whose tensors numpy cannot hold) reads
+  exactly, and `as_tensors` gives tensors of the spec's dtype."""
+  torch = pytest.importorskip("torch")
+  spec = jcr.CudnnGRU(2, 5, 3, direction="bidirectional", dtype=jnp.dtype(dtype))
+  params = spec.init_params(jax.random.key(0))
+  state = interop.to_torch_state_dict(spec, params, as_tensors=True)
+  assert {v.dtype for v in state.values()} == {getattr(torch, dtype)}
+  module = torch.nn.GRU(3, 5, 2, bidirectional=True).to(getattr(torch, dtype))
+  module.load_state_dict(state)
+  back = interop.from_torch_state_dict(spec, module.state_dict())
+  assert back.dtype == spec.dtype
+  np.testing.assert_array_equal(np.asarray(back, np.float32), np.asarray(params, np.float32))
+  # Into a float32 spec: the same values, widened.
+  wide = dataclasses.replace(spec, dtype=jnp.dtype(jnp.float32))
+  np.testing.assert_array_equal(interop.from_torch_state_dict(wide, module.state_dict()),
+                                np.asarray(params, np.float32))
+
+
 @pytest.mark.parametrize("cls,direction,mode", CONFIGS)
 def test_flax_cells_round_trip_is_the_same_function(cls, direction, mode):
   spec = _spec(cls, direction, mode)
