@@ -42,6 +42,7 @@ The `to_*` functions return numpy arrays (torch tensors for
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -289,10 +290,22 @@ def flax_nnx_cell(spec, layer: int, cell: str | None = None, *, rngs=None):
   from flax import nnx
   kind = _nnx_cell_kind(spec, cell)
   rngs = nnx.Rngs(0) if rngs is None else rngs
+  cls = getattr(nnx, kind)
   kwargs = dict(param_dtype=spec.dtype, dtype=spec.dtype, rngs=rngs)
   if spec.rnn_mode in ("rnn_tanh", "rnn_relu"):
     kwargs["activation_fn"] = jax.numpy.tanh if spec.rnn_mode == "rnn_tanh" else jax.nn.relu
-  return getattr(nnx, kind)(spec.layer_input_size(layer), spec.num_units, **kwargs)
+  if spec.dtype.itemsize < 4:
+    # Flax's orthogonal initializers take a QR, which XLA:CPU has not in
+    # bfloat16 or float16: the cell's own initializers, run in float32 and cast.
+    defaults = inspect.signature(cls.__init__).parameters
+    kwargs |= {name: _in_float32(defaults[name].default)
+               for name in ("kernel_init", "recurrent_kernel_init", "bias_init")}
+  return cls(spec.layer_input_size(layer), spec.num_units, **kwargs)
+
+
+def _in_float32(init):
+  """`init(key, shape, dtype)` computed in float32, then cast to `dtype`."""
+  return lambda key, shape, dtype=jnp.float32: init(key, shape, jnp.float32).astype(dtype)
 
 
 def _nnx_tree(kind, W, R, bW, bR, where):

@@ -231,6 +231,35 @@ def test_flax_nnx_cells_give_our_outputs_and_convert_back(cls, direction, mode, 
     np.testing.assert_array_equal(w1, w2)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("cls,cell", [(jcr.CudnnLSTM, "LSTMCell"), (jcr.CudnnLSTM, "OptimizedLSTMCell"),
+                                      (jcr.CudnnGRU, None), (jcr.CudnnRNNTanh, None)])
+def test_flax_nnx_cells_in_half_precision(cls, cell, dtype):
+  """Flax's orthogonal initializers take a QR, which XLA:CPU has not in half
+  precision: the cells are made in float32 and cast, so that a bfloat16 or
+  float16 model converts like a float32 one, its weights exactly."""
+  nnx = pytest.importorskip("flax.nnx")
+  spec = cls(2, 4, 3, direction="bidirectional", dtype=jnp.dtype(dtype))
+  fresh = interop.flax_nnx_cell(spec, 1, cell)
+  assert {a.dtype for a in jax.tree.leaves(nnx.state(fresh, nnx.Param))} == {spec.dtype}
+  params = _nnx_expressible_params(spec)
+  cells = interop.to_flax_nnx_cells(spec, params, cell)
+  assert {a.dtype for row in cells for c in row
+          for a in jax.tree.leaves(nnx.state(c, nnx.Param))} == {spec.dtype}
+  back = interop.from_flax_nnx_cells(spec, cells)
+  assert back.dtype == spec.dtype
+  for w1, w2 in zip(spec.params_to_canonical(params)[0], spec.params_to_canonical(back)[0]):
+    np.testing.assert_array_equal(w1, w2)
+  # The cells compute our model: against the float32 model of the same weights
+  # (the cells multiply in half precision: a tolerance of its rounding).
+  wide = dataclasses.replace(spec, dtype=jnp.dtype(jnp.float32))
+  x, h, c = random_inputs(wide, 5, 2)
+  y = call(wide, x, h, c, params.astype(jnp.float32), is_training=False)[0]
+  cast = lambda a: None if a is None else jnp.asarray(a, spec.dtype)
+  ry = _run_nnx_cells(spec, cells, cast(np.swapaxes(x, 0, 1)), cast(h), cast(c), None)[0]
+  np.testing.assert_allclose(np.swapaxes(np.asarray(ry, np.float32), 0, 1), y, atol=2e-2)
+
+
 def test_flax_nnx_cells_from_pure_dicts_and_refusals():
   nnx = pytest.importorskip("flax.nnx")
   gru = jcr.CudnnGRU(1, 4, 3, dtype=jnp.float64)
