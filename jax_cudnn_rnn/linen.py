@@ -90,7 +90,6 @@ class _FusedRNN(nn.Module):
                         time_major=self.time_major, implementation=self.implementation,
                         return_carry=self.return_carry)
 
-
   def _check_input_size(self, inputs_shape: tuple, param_spec) -> None:
     """Inputs of another width than the existing buffer was made for: a
     ValueError naming both widths, rather than Flax's about the buffer's shape."""
