@@ -37,6 +37,17 @@ def test_carry_shape_is_checked_in_the_modules_terms():
                                                      time_major=False)[0])
 
 
+def test_inputs_of_another_width_name_in_features():
+  m = jnnx.LSTM(4, 6, rngs=nnx.Rngs(0))
+  message = r"inputs' last axis must be in_features=4 \(the module's\), got shape \(3, 5, 7\)"
+  x = jnp.ones((3, 5, 7))
+  with pytest.raises(ValueError, match=message):
+    m(x)
+  with pytest.raises(ValueError, match=message):
+    nnx.jit(lambda m, x: m(x))(m, x)
+  assert m(x[..., :4]).shape == (3, 5, 6)
+
+
 def test_dropout_stream_and_eval():
   m = jnnx.LSTM(3, 8, num_layers=3, dropout_rate=0.5, rngs=nnx.Rngs(params=0, dropout=1))
   x = jax.random.normal(jax.random.key(0), (2, 5, 3))
