@@ -84,14 +84,26 @@ def init_params(spec, key, *, weight_initializer: Initializer | None = None,
       k, shape, dtype, minval=-bound, maxval=bound)
   if weight_initializer is None and bias_initializer is None:
     return default(key, (_layout.params_size(spec),), spec.dtype)
-  w_init = weight_initializer or default
-  b_init = bias_initializer or default
   weight_entries, bias_entries = _layout.tensors(spec)
-  keys = jax.random.split(key, len(weight_entries) + len(bias_entries))
-  weights = [w_init(k, t.shape, spec.dtype) for k, t in zip(keys, weight_entries)]
-  biases = [b_init(k, t.shape, spec.dtype)
-            for k, t in zip(keys[len(weight_entries):], bias_entries)]
-  return canonical_to_params(spec, weights, biases)
+  keys = iter(jax.random.split(key, len(weight_entries) + len(bias_entries)))
+  made = {}
+  for name, init, entries in (("weight_initializer", weight_initializer, weight_entries),
+                              ("bias_initializer", bias_initializer, bias_entries)):
+    if init is None:
+      init = default
+    elif not callable(init):
+      raise TypeError(f"{name} must be a callable init(key, shape, dtype), as "
+                      f"jax.nn.initializers makes, got {type(init).__name__}")
+    made[name] = [_initialized(name, init(next(keys), t.shape, spec.dtype), t.shape)
+                  for t in entries]
+  return canonical_to_params(spec, made["weight_initializer"], made["bias_initializer"])
+
+
+def _initialized(name: str, value, shape: tuple) -> jax.Array:
+  """An initializer's result, or a ValueError naming the initializer."""
+  if tuple(np.shape(value)) != shape:
+    raise ValueError(f"{name} returned shape {tuple(np.shape(value))} when asked for {shape}")
+  return value
 
 
 def _check_canonical(name: str, arrays: Sequence, entries) -> None:
