@@ -100,18 +100,23 @@ def to_canonical_tree(spec, params) -> dict:
 def from_canonical_tree(spec, tree) -> jax.Array:
   """Inverse of `to_canonical_tree`: an opaque buffer of `spec.dtype`."""
   w_names, b_names = _names(spec)
+  w_entries, b_entries = _layout.tensors(spec)
 
-  def get(names):
+  def get(names, entries):
     out = []
-    for layer, direction, leaf in names:
+    for (layer, direction, leaf), entry in zip(names, entries):
       try:
-        out.append(tree[layer][direction][leaf])
+        value = tree[layer][direction][leaf]
       except (KeyError, TypeError):
         raise CheckpointError(f"canonical tree has no {layer}/{direction}/{leaf} "
                               f"(needed by {spec})") from None
+      if tuple(np.shape(value)) != entry.shape:
+        raise ValueError(f"canonical tree's {layer}/{direction}/{leaf} must have shape "
+                         f"{entry.shape}, got {tuple(np.shape(value))}")
+      out.append(value)
     return out
 
-  return spec.canonical_to_params(get(w_names), get(b_names))
+  return spec.canonical_to_params(get(w_names, w_entries), get(b_names, b_entries))
 
 
 @_spec.takes_spec

@@ -34,6 +34,11 @@ def test_canonical_tree_names_and_round_trip():
   del tree["layer_1"]["forward"]["bR_o"]
   with pytest.raises(ck.CheckpointError, match="layer_1/forward/bR_o"):
     ck.from_canonical_tree(spec, tree)
+  tree = ck.to_canonical_tree(spec, params)
+  tree["layer_1"]["backward"]["R_f"] = np.zeros((3, 4))
+  with pytest.raises(ValueError, match=r"^canonical tree's layer_1/backward/R_f must have shape "
+                                       r"\(3, 3\), got \(3, 4\)$"):
+    ck.from_canonical_tree(spec, tree)
 
 
 def test_gru_and_rnn_gate_names():
