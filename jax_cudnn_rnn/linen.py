@@ -113,7 +113,8 @@ class _FusedRNN(nn.Module):
 
     candidates = [n for n in (width, self.features) if fits(n)]
     made_for = (f"were made for input_size {candidates[0]}" if candidates else
-                "fit no input_size of this module")
+                "fit this module at no input_size (made for another features, num_layers, "
+                "bidirectional or cell?)")
     raise ValueError(
         f"inputs have input_size {param_spec.input_size} (the last axis of shape "
         f"{tuple(inputs_shape)}), but this module's opaque_params ({size} elements) "

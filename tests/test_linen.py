@@ -179,6 +179,8 @@ def test_inputs_of_another_width_than_the_params_name_both(module, made_for, giv
     with pytest.raises(ValueError, match=message):
       apply(variables, jnp.ones((2, 5, given)))
   foreign = {"params": {"opaque_params": jnp.zeros(size + 1)}}
-  with pytest.raises(ValueError, match=r"\(%d elements\) fit no input_size of this module" % (size + 1)):
+  foreign_message = (r"\(%d elements\) fit this module at no input_size \(made for another "
+                     r"features, num_layers, bidirectional or cell\?\)" % (size + 1))
+  with pytest.raises(ValueError, match=foreign_message):
     m.apply(foreign, jnp.ones((2, 5, made_for)))
   assert m.apply(variables, jnp.ones((2, 5, made_for))).shape == (2, 5, m.spec(made_for).output_size)
