@@ -297,9 +297,9 @@ def flax_nnx_cell(spec, layer: int, cell: str | None = None, *, rngs=None):
   if spec.dtype.itemsize < 4:
     # Flax's orthogonal initializers take a QR, which XLA:CPU has not in
     # bfloat16 or float16: the cell's own initializers, run in float32 and cast.
-    defaults = inspect.signature(cls.__init__).parameters
-    kwargs |= {name: _in_float32(defaults[name].default)
-               for name in ("kernel_init", "recurrent_kernel_init", "bias_init")}
+    kwargs |= {name: _in_float32(p.default)
+               for name, p in inspect.signature(cls.__init__).parameters.items()
+               if name.endswith("_init") and callable(p.default)}
   return cls(spec.layer_input_size(layer), spec.num_units, **kwargs)
 
 
