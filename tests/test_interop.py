@@ -232,8 +232,9 @@ def test_flax_nnx_cells_give_our_outputs_and_convert_back(cls, direction, mode, 
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("cls,cell", [(jcr.CudnnLSTM, "LSTMCell"), (jcr.CudnnLSTM, "OptimizedLSTMCell"),
-                                      (jcr.CudnnGRU, None), (jcr.CudnnRNNTanh, None)])
+@pytest.mark.parametrize("cls,cell", [
+    (jcr.CudnnLSTM, "LSTMCell"), (jcr.CudnnLSTM, "OptimizedLSTMCell"), (jcr.CudnnGRU, None),
+    (jcr.CudnnRNNTanh, None)])
 def test_flax_nnx_cells_in_half_precision(cls, cell, dtype):
   """Flax's orthogonal initializers take a QR, which XLA:CPU has not in half
   precision: the cells are made in float32 and cast, so that a bfloat16 or

@@ -183,4 +183,5 @@ def test_inputs_of_another_width_than_the_params_name_both(module, made_for, giv
                      r"features, num_layers, bidirectional or cell\?\)" % (size + 1))
   with pytest.raises(ValueError, match=foreign_message):
     m.apply(foreign, jnp.ones((2, 5, made_for)))
-  assert m.apply(variables, jnp.ones((2, 5, made_for))).shape == (2, 5, m.spec(made_for).output_size)
+  y = m.apply(variables, jnp.ones((2, 5, made_for)))
+  assert y.shape == (2, 5, m.spec(made_for).output_size)

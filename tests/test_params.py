@@ -96,13 +96,15 @@ def test_init_params_initializer_errors_name_the_initializer():
   with pytest.raises(ValueError, match=r"^weight_initializer returned shape \(2, 2\) when asked "
                                        r"for \(4, 3\)$"):
     spec.init_params(key, weight_initializer=lambda k, shape, dtype: jnp.zeros((2, 2), dtype))
-  with pytest.raises(ValueError, match=r"^bias_initializer returned shape \(\) when asked for \(4,\)$"):
+  with pytest.raises(ValueError,
+                     match=r"^bias_initializer returned shape \(\) when asked for \(4,\)$"):
     spec.init_params(key, bias_initializer=lambda k, shape, dtype: 0.0)
   with pytest.raises(TypeError, match=r"^bias_initializer must be a callable init\(key, shape, "
                                       r"dtype\), as jax.nn.initializers makes, got str$"):
     spec.init_params(key, bias_initializer="zeros")
   # Another dtype is cast to the spec's, as canonical_to_params does.
-  params = spec.init_params(key, weight_initializer=lambda k, shape, dtype: jnp.ones(shape, jnp.float16))
+  params = spec.init_params(key,
+                            weight_initializer=lambda k, shape, dtype: jnp.ones(shape, jnp.float16))
   assert params.dtype == spec.dtype
   np.testing.assert_array_equal(spec.params_to_canonical(params)[0][0], np.ones((4, 3)))
 
