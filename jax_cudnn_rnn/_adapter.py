@@ -7,7 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _ops
+from jax_cudnn_rnn import _ops, _params
 
 MODE_CLASSES = {"lstm": jcr.CudnnLSTM, "gru": jcr.CudnnGRU, "rnn_tanh": jcr.CudnnRNNTanh,
                 "rnn_relu": jcr.CudnnRNNRelu}
@@ -25,6 +25,13 @@ def make_spec(rnn_mode: str, *, features: int, num_layers: int, input_size: int,
       num_layers=num_layers, num_units=features, input_size=input_size, input_mode=input_mode,
       direction="bidirectional" if bidirectional else "unidirectional", dtype=dtype,
       dropout=dropout_rate)
+
+
+def init_params(spec, key, kernel_init, bias_init):
+  """A fresh buffer of `spec`, its errors naming the modules' `kernel_init` and
+  `bias_init`."""
+  return _params.init_params(spec, key, weight_initializer=kernel_init, bias_initializer=bias_init,
+                             names=("kernel_init", "bias_init"))
 
 
 def _describe(value) -> str:

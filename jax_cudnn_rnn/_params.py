@@ -59,7 +59,8 @@ def check_key(name: str, key):
 
 
 def init_params(spec, key, *, weight_initializer: Initializer | None = None,
-                bias_initializer: Initializer | None = None) -> jax.Array:
+                bias_initializer: Initializer | None = None,
+                names: tuple[str, str] = ("weight_initializer", "bias_initializer")) -> jax.Array:
   """Creates an opaque parameter buffer for `spec`.
 
   By default every weight and bias is drawn from `U(-1/sqrt(num_units),
@@ -73,6 +74,8 @@ def init_params(spec, key, *, weight_initializer: Initializer | None = None,
       `jax.nn.initializers`) called for every canonical matrix.
     bias_initializer: optional `init(key, shape, dtype)` called for every
       canonical bias vector.
+    names: what errors call the two initializers (the Flax modules' say
+      `kernel_init` and `bias_init`, as their users named them).
 
   Returns:
     A 1-D array of shape `(spec.params_size(),)` and dtype `spec.dtype`.
@@ -87,8 +90,8 @@ def init_params(spec, key, *, weight_initializer: Initializer | None = None,
   weight_entries, bias_entries = _layout.tensors(spec)
   keys = iter(jax.random.split(key, len(weight_entries) + len(bias_entries)))
   made = {}
-  for name, init, entries in (("weight_initializer", weight_initializer, weight_entries),
-                              ("bias_initializer", bias_initializer, bias_entries)):
+  for name, init, entries in ((names[0], weight_initializer, weight_entries),
+                              (names[1], bias_initializer, bias_entries)):
     if init is None:
       init = default
     elif not callable(init):
@@ -96,7 +99,7 @@ def init_params(spec, key, *, weight_initializer: Initializer | None = None,
                       f"jax.nn.initializers makes, got {type(init).__name__}")
     made[name] = [_initialized(name, init(next(keys), t.shape, spec.dtype), t.shape)
                   for t in entries]
-  return canonical_to_params(spec, made["weight_initializer"], made["bias_initializer"])
+  return canonical_to_params(spec, made[names[0]], made[names[1]])
 
 
 def _initialized(name: str, value, shape: tuple) -> jax.Array:

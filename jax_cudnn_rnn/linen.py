@@ -81,8 +81,8 @@ class _FusedRNN(nn.Module):
     param_spec = self.spec(input_size)
     self._check_input_size(inputs.shape, param_spec)
     params = self.param(
-        "opaque_params", lambda key: param_spec.init_params(
-            key, weight_initializer=self.kernel_init, bias_initializer=self.bias_init))
+        "opaque_params",
+        lambda key: _adapter.init_params(param_spec, key, self.kernel_init, self.bias_init))
     dtype = self.dtype if self.dtype is not None else jnp.result_type(inputs, params)
     key = None if deterministic else self.make_rng("dropout")
     return _adapter.run(self.spec(input_size, dtype), params, inputs, initial_carry,

@@ -39,8 +39,8 @@ class _FusedRNN(nnx.Module):
         self._rnn_mode(), features=features, num_layers=num_layers, input_size=in_features,
         input_mode=input_mode, bidirectional=bidirectional, dtype=param_dtype,
         dropout_rate=dropout_rate)
-    self.opaque_params = nnx.Param(self.spec.init_params(
-        rngs.params(), weight_initializer=kernel_init, bias_initializer=bias_init))
+    self.opaque_params = nnx.Param(
+        _adapter.init_params(self.spec, rngs.params(), kernel_init, bias_init))
     self.time_major, self.return_carry = time_major, return_carry
     self.deterministic, self.dtype, self.implementation = deterministic, dtype, implementation
     self.rngs = rngs["dropout"].fork() if "dropout" in rngs else nnx.data(None)

@@ -185,3 +185,12 @@ def test_inputs_of_another_width_than_the_params_name_both(module, made_for, giv
     m.apply(foreign, jnp.ones((2, 5, made_for)))
   y = m.apply(variables, jnp.ones((2, 5, made_for)))
   assert y.shape == (2, 5, m.spec(made_for).output_size)
+
+
+def test_initializer_errors_name_kernel_init_and_bias_init():
+  x = jnp.ones((2, 3, 3))
+  with pytest.raises(TypeError, match=r"^kernel_init must be a callable init\(key, shape, dtype\)"):
+    linen.GRU(features=4, kernel_init="glorot").init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"^bias_init returned shape \(1,\) when asked for \(4,\)"):
+    linen.GRU(features=4, bias_init=lambda k, shape, dtype: jnp.zeros((1,), dtype)).init(
+        jax.random.key(0), x)

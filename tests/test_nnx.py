@@ -48,6 +48,14 @@ def test_inputs_of_another_width_name_in_features():
   assert m(x[..., :4]).shape == (3, 5, 6)
 
 
+def test_initializer_errors_name_kernel_init_and_bias_init():
+  with pytest.raises(TypeError, match=r"^bias_init must be a callable init\(key, shape, dtype\)"):
+    jnnx.GRU(3, 4, bias_init=0.0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"^kernel_init returned shape \(1,\) when asked for "
+                                       r"\(3, 3\)$"):
+    jnnx.LSTM(3, 3, kernel_init=lambda k, shape, dtype: jnp.zeros((1,), dtype), rngs=nnx.Rngs(0))
+
+
 def test_dropout_stream_and_eval():
   m = jnnx.LSTM(3, 8, num_layers=3, dropout_rate=0.5, rngs=nnx.Rngs(params=0, dropout=1))
   x = jax.random.normal(jax.random.key(0), (2, 5, 3))
