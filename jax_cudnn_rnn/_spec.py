@@ -170,7 +170,14 @@ class CudnnRNNBase:
     return _layout.params_size(self)
 
   def init_params(self, key, *, weight_initializer=None, bias_initializer=None):
-    """A fresh opaque parameter buffer; see `jax_cudnn_rnn.init_params`."""
+    """A fresh opaque buffer, `(params_size(),)` of the spec's dtype.
+
+    Every weight and bias is drawn from `U(-1/sqrt(num_units), 1/sqrt(num_units))`
+    (cuDNN's, PyTorch's and `jax.experimental.rnn`'s users' initialisation),
+    unless `weight_initializer` (called for every canonical matrix) or
+    `bias_initializer` (every canonical bias) is given: `init(key, shape,
+    dtype)`, as `jax.nn.initializers` makes.
+    """
     from jax_cudnn_rnn import _params
     return _params.init_params(self, key, weight_initializer=weight_initializer,
                                bias_initializer=bias_initializer)
