@@ -186,11 +186,15 @@ class CudnnRNNBase:
     """Packs canonical weights and biases into an opaque buffer.
 
     Args:
-      weights: list of matrices in canonical order (see `_layout`).
-      biases: list of vectors in canonical order.
+      weights: list of matrices in canonical order: layer by layer, the
+        forward direction then the backward, in each the input matrices
+        `W_0..W_{g-1}` (`[num_units, in]`; none in a skip_input layer 0) then
+        the recurrent ones `R_0..R_{g-1}` (`[num_units, num_units]`).
+      biases: list of `[num_units]` vectors in the same order (`bW`s, `bR`s).
 
     Returns:
-      A 1-D array of shape `(params_size(),)` and this spec's dtype.
+      A 1-D array of shape `(params_size(),)` and this spec's dtype (the
+      arrays cast to it).
     """
     from jax_cudnn_rnn import _params
     return _params.canonical_to_params(self, weights, biases)
