@@ -27,6 +27,16 @@ def make_spec(rnn_mode: str, *, features: int, num_layers: int, input_size: int,
       dropout=dropout_rate)
 
 
+def as_inputs(inputs, time_major: bool):
+  """The modules' `inputs` as an array of rank 3, or an error in their terms."""
+  inputs = _ops._as_array("inputs", inputs)
+  if inputs.ndim != 3:
+    layout = "[T, B, features]" if time_major else "[B, T, features]"
+    raise ValueError(f"inputs must have rank 3 {layout} (time_major={time_major}), "
+                     f"got shape {tuple(inputs.shape)}")
+  return inputs
+
+
 def init_params(spec, key, kernel_init, bias_init):
   """A fresh buffer of `spec`, its errors naming the modules' `kernel_init` and
   `bias_init`."""

@@ -77,6 +77,7 @@ class _FusedRNN(nn.Module):
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
     else:  # nothing to drop: no need to say
       deterministic = True
+    inputs = _adapter.as_inputs(inputs, self.time_major)
     input_size = inputs.shape[-1]
     param_spec = self.spec(input_size)
     self._check_input_size(inputs.shape, param_spec)

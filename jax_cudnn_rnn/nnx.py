@@ -52,10 +52,10 @@ class _FusedRNN(nnx.Module):
                deterministic: Optional[bool] = None, rngs: Optional[nnx.Rngs] = None):
     """Runs the RNN; arguments and results as `jax_cudnn_rnn.linen`'s modules."""
     deterministic = self.deterministic if deterministic is None else deterministic
-    shape = tuple(jnp.shape(inputs))
-    if shape and shape[-1] != self.spec.input_size:  # in the module's terms, not the spec's
+    inputs = _adapter.as_inputs(inputs, self.time_major)
+    if inputs.shape[-1] != self.spec.input_size:  # in the module's terms, not the spec's
       raise ValueError(f"inputs' last axis must be in_features={self.spec.input_size} (the "
-                       f"module's), got shape {shape}")
+                       f"module's), got shape {tuple(inputs.shape)}")
     params = self.opaque_params[...]
     dtype = self.dtype if self.dtype is not None else jnp.result_type(inputs, params)
     training = not deterministic and self.spec.dropout > 0 and self.spec.num_layers > 1

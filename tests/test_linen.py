@@ -194,3 +194,16 @@ def test_initializer_errors_name_kernel_init_and_bias_init():
   with pytest.raises(ValueError, match=r"^bias_init returned shape \(1,\) when asked for \(4,\)"):
     linen.GRU(features=4, bias_init=lambda k, shape, dtype: jnp.zeros((1,), dtype)).init(
         jax.random.key(0), x)
+
+
+def test_inputs_are_arrays_of_rank_3_in_the_modules_terms():
+  m = linen.GRU(features=3, time_major=True)
+  variables = m.init(jax.random.key(0), jnp.ones((2, 1, 2)))
+  with pytest.raises(ValueError, match=r"^inputs must have rank 3 \[T, B, features\] "
+                                       r"\(time_major=True\), got shape \(\)"):
+    m.apply(variables, 5.0)
+  with pytest.raises(TypeError, match=r"^inputs must be an array, got str"):
+    m.apply(variables, "abc")
+  nested = [[[1.0, 2.0]], [[0.5, -1.0]]]  # a list, as jnp.asarray makes it
+  np.testing.assert_array_equal(m.apply(variables, nested),
+                                m.apply(variables, jnp.asarray(nested)))

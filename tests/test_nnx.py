@@ -46,6 +46,11 @@ def test_inputs_of_another_width_name_in_features():
   with pytest.raises(ValueError, match=message):
     nnx.jit(lambda m, x: m(x))(m, x)
   assert m(x[..., :4]).shape == (3, 5, 6)
+  with pytest.raises(ValueError, match=r"^inputs must have rank 3 \[B, T, features\] "
+                                       r"\(time_major=False\), got shape \(5, 4\)$"):
+    m(jnp.ones((5, 4)))
+  nested = [[[1.0, 2.0, 3.0, 4.0]]]  # a list, as jnp.asarray makes it
+  np.testing.assert_array_equal(m(nested), m(jnp.asarray(nested)))
 
 
 def test_initializer_errors_name_kernel_init_and_bias_init():
