@@ -99,12 +99,12 @@ class _FusedRNN(nn.Module):
     size = int(jnp.size(self.get_variable("params", "opaque_params")))
     if size == param_spec.params_size():
       return
-    # Only layer 0's input matrices depend on the input size, under
-    # linear_input by g * H * dirs elements a feature (auto_select may have
-    # picked skip_input, which has none: the width of `features`).
-    linear = dataclasses.replace(param_spec, input_size=1, input_mode="linear_input")
-    per_feature = param_spec.num_gates * param_spec.num_units * param_spec.num_dirs
-    width = (size - linear.params_size()) // per_feature + 1
+    # Under linear_input the buffer grows by the same number of elements a
+    # feature (layer 0's input matrices), so one width fits; auto_select may
+    # have picked skip_input, which only `features` fits.
+    linear = lambda n: dataclasses.replace(param_spec, input_size=n,
+                                           input_mode="linear_input").params_size()
+    width = (size - linear(1)) // (linear(2) - linear(1)) + 1
 
     def fits(n: int) -> bool:
       try:
