@@ -141,8 +141,7 @@ def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
     out.update(zip(_torch_keys(layer, d), map(np.concatenate, (W, R, bW, bR))))
   if as_tensors:
     import torch
-    dtype = {np.dtype(jnp.bfloat16): torch.bfloat16, np.dtype(np.float16): torch.float16,
-             np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}[spec.dtype]
+    dtype = getattr(torch, spec.dtype.name)  # the four spec dtypes have torch's names
     # torch.from_numpy takes no bfloat16 array: through float32, exactly.
     out = {k: torch.from_numpy(np.ascontiguousarray(v, np.float32 if v.dtype.itemsize < 4
                                                     else v.dtype)).to(dtype)
