@@ -88,25 +88,26 @@ def init_params(spec, key, *, weight_initializer: Initializer | None = None,
   if weight_initializer is None and bias_initializer is None:
     return default(key, (_layout.params_size(spec),), spec.dtype)
   weight_entries, bias_entries = _layout.tensors(spec)
-  keys = iter(jax.random.split(key, len(weight_entries) + len(bias_entries)))
-  made = {}
-  for name, init, entries in ((names[0], weight_initializer, weight_entries),
-                              (names[1], bias_initializer, bias_entries)):
-    if init is None:
-      init = default
-    elif not callable(init):
-      raise TypeError(f"{name} must be a callable init(key, shape, dtype), as "
-                      f"jax.nn.initializers makes, got {type(init).__name__}")
-    made[name] = [_initialized(name, init(next(keys), t.shape, spec.dtype), t.shape)
-                  for t in entries]
-  return canonical_to_params(spec, made[names[0]], made[names[1]])
+  keys = jax.random.split(key, len(weight_entries) + len(bias_entries))
+  given = lambda init: default if init is None else init  # not `or`: 0.0 is refused, not default
+  weights = _draw(names[0], given(weight_initializer), keys, weight_entries, spec.dtype)
+  biases = _draw(names[1], given(bias_initializer), keys[len(weight_entries):], bias_entries,
+                 spec.dtype)
+  return canonical_to_params(spec, weights, biases)
 
 
-def _initialized(name: str, value, shape: tuple) -> jax.Array:
-  """An initializer's result, or a ValueError naming the initializer."""
-  if tuple(np.shape(value)) != shape:
-    raise ValueError(f"{name} returned shape {tuple(np.shape(value))} when asked for {shape}")
-  return value
+def _draw(name: str, init, keys, entries, dtype) -> list:
+  """`init(key, shape, dtype)` for each entry, or an error naming the initializer."""
+  if not callable(init):
+    raise TypeError(f"{name} must be a callable init(key, shape, dtype), as "
+                    f"jax.nn.initializers makes, got {type(init).__name__}")
+  out = []
+  for k, t in zip(keys, entries):
+    value = init(k, t.shape, dtype)
+    if tuple(np.shape(value)) != t.shape:
+      raise ValueError(f"{name} returned shape {tuple(np.shape(value))} when asked for {t.shape}")
+    out.append(value)
+  return out
 
 
 def _check_canonical(name: str, arrays: Sequence, entries) -> None:
