@@ -60,10 +60,20 @@ def one_step_on_xla(spec, steps) -> bool:
           and _layout.params_size(spec) <= ONE_STEP_XLA_MAX_ELEMENTS)
 
 
-def _as_array(name: str, value) -> jax.Array:
+def _as_array(name: str, value, dtype=None) -> jax.Array:
+  """`value` as an array. An array keeps its dtype (the caller checks it); a
+  nested list or a Python number has none of its own, so it takes `dtype`
+  when given (the spec's: without it, a list would be float64 under x64, or
+  float32 for a bfloat16 model, and refused)."""
   if isinstance(value, jax.Array):  # tracers too; jnp.asarray would take 20-30 us to return it
     return value
-  if isinstance(value, (np.ndarray, list, tuple, int, float)) or hasattr(value, "__jax_array__"):
+  if isinstance(value, (list, tuple, int, float)):
+    try:
+      return jnp.asarray(value, dtype)
+    except (TypeError, ValueError) as e:  # ragged, or not of real numbers
+      raise TypeError(f"{name} must be an array or a nested list of real numbers of one "
+                      f"shape; converting the {type(value).__name__} failed: {e}") from e
+  if isinstance(value, np.ndarray) or hasattr(value, "__jax_array__"):
     return jnp.asarray(value)
   raise TypeError(f"{name} must be an array, got {type(value).__name__}")
 
@@ -94,7 +104,7 @@ def check_state_shape(spec, name: str, shape, batch: int, *, unit_name: str = "n
 def _check_state(spec, name, state, batch):
   if state is None:
     return jnp.zeros((spec.num_layers * spec.num_dirs, batch, spec.num_units), spec.dtype)
-  state = _as_array(name, state)
+  state = _as_array(name, state, spec.dtype)
   check_state_shape(spec, name, state.shape, batch)
   _check_dtype(name, state, spec.dtype)
   return state
@@ -145,7 +155,7 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
            f"; {type(spec).__name__} takes (input_data, input_h, params): it has no input_c"))
   if not isinstance(time_major, (bool, np.bool_)):
     raise TypeError(f"time_major must be a Python bool, got {type(time_major).__name__}")
-  x = _as_array("input_data", input_data)
+  x = _as_array("input_data", input_data, spec.dtype)
   if x.ndim != 3:
     layout = "[T, B, input_size]" if time_major else "[B, T, input_size]"
     raise ValueError(f"input_data must have rank 3 {layout}, got shape {tuple(x.shape)}")

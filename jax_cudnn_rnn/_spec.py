@@ -214,7 +214,9 @@ _CALL_DOC = """Runs the RNN over a sequence.
 
     Args:
       input_data: `[T, B, input_size]` (`[B, T, input_size]` when
-        `time_major=False`).
+        `time_major=False`). Arrays here, in the states and in `params` must
+        have the spec's dtype; a nested list (input data and states only)
+        takes it.
       input_h: `[num_layers * num_dirs, B, num_units]` initial hidden states,
         or None for zeros. Index `layer * num_dirs + direction`.
 {c_arg}      params: the opaque buffer, `[params_size()]`, of the spec's dtype.

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_cudnn_rnn as jcr
@@ -103,3 +104,36 @@ def test_float64_spec_without_x64_says_how_to_enable_it():
     params = jnp.zeros(spec.params_size(), jnp.float32)
     with pytest.raises(TypeError, match=r"must have dtype float64 .* got float32 .*jax_enable_x64"):
       spec(x, None, params)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_nested_lists_take_the_spec_dtype(dtype):
+  # A list has no dtype of its own: under x64 (on in these tests) jnp.asarray
+  # would make it float64, and for a bfloat16 model float32 without x64;
+  # either was refused. It takes the spec's, and gives the array's answer.
+  spec = jcr.CudnnGRU(1, 4, 3, dtype=dtype)
+  params = spec.init_params(jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (5, 2, 3)).astype(dtype)
+  h = jax.random.normal(jax.random.key(2), (1, 2, 4)).astype(dtype)
+  want_y, want_h = spec(x, h, params)
+  x_list = np.asarray(x.astype(jnp.float32)).tolist()  # exact: each value is a dtype value
+  h_list = np.asarray(h.astype(jnp.float32)).tolist()
+  y, h_out = spec(x_list, h_list, params)
+  assert y.dtype == h_out.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want_y, np.float32))
+  np.testing.assert_array_equal(np.asarray(h_out, np.float32), np.asarray(want_h, np.float32))
+  with pytest.raises(TypeError, match="input_data must have dtype"):  # an array keeps its own
+    spec(np.asarray(x_list), h, params)
+
+
+@pytest.mark.parametrize("value,detail", [
+    ([[[1.0, 2.0, 3.0]], [[1.0, 2.0]]], "inhomogeneous"),
+    ([[["a", "b", "c"]]], "could not convert string"),
+    ([[[1j, 2.0, 3.0]]], "complex"),
+])
+def test_a_list_that_is_no_array_names_the_argument(value, detail):
+  with pytest.raises(TypeError, match=r"^input_data must be an array or a nested list of real "
+                                      rf"numbers of one shape; converting the list failed: .*{detail}"):
+    _lstm(input_data=value)
+  with pytest.raises(TypeError, match=r"^input_h must be an array or a nested list"):
+    _lstm(input_h=value)
