@@ -28,6 +28,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from jax_cudnn_rnn import _dropout
+
 INPUT_MODES = ("linear_input", "skip_input", "auto_select")
 DIRECTIONS = ("unidirectional", "bidirectional")
 SUPPORTED_DTYPES = (
@@ -123,11 +125,7 @@ class CudnnRNNBase:
     if self.direction not in DIRECTIONS:
       raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
     set_("dtype", _check_dtype(self.dtype))
-    if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real):
-      raise TypeError(f"dropout must be a float in [0, 1), got {self.dropout!r}")
-    if not 0.0 <= float(self.dropout) < 1.0:
-      raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-    set_("dropout", float(self.dropout))
+    set_("dropout", _dropout.check_rate("dropout", self.dropout))
     if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
       raise TypeError(f"seed must be an int, got {self.seed!r}")
     set_("seed", int(self.seed))

@@ -89,3 +89,29 @@ def test_keys_change_masks_and_grads_flow():
   assert legacy.shape == y1.shape
   g = jax.grad(lambda p: jnp.sum(spec(x, h, p, dropout_key=jax.random.key(1))[0]))(params)
   assert np.all(np.isfinite(g)) and np.any(g != 0)
+
+
+@pytest.mark.parametrize("args,exc,message", [
+    (dict(dropout_key=3), TypeError, r"^dropout_key must be a PRNG key"),
+    (dict(rate=1.5), ValueError, r"^rate must be in \[0, 1\), got 1.5$"),  # was all dropped
+    (dict(rate=-0.5), ValueError, r"^rate must be in \[0, 1\), got -0.5$"),  # was all kept
+    (dict(rate="0.5"), TypeError, r"^rate must be a float in \[0, 1\), got '0.5'$"),
+    (dict(layer=0.5), TypeError, r"^layer must be an int in \[0, 2\*\*32\)"),  # was layer 0's mask
+    (dict(layer=-1), ValueError, r"^layer must be an int in \[0, 2\*\*32\) .*got -1$"),
+    (dict(shape=7), TypeError, r"^shape must be a tuple of ints, got 7$"),
+    (dict(shape=(7, -5, 6)), ValueError, r"^shape must have no negative dimension, got \(7, -5, 6\)$"),
+])
+def test_keep_mask_checks_its_arguments(args, exc, message):
+  good = dict(dropout_key=jax.random.key(3), layer=1, shape=(7, 5, 6), rate=0.3)
+  with pytest.raises(exc, match=message):
+    jcr.dropout_keep_mask(**(good | args))
+
+
+def test_keep_mask_is_the_documented_formula_under_jit_and_any_int_shape():
+  key = jax.random.key(11)
+  want = jax.random.bernoulli(jax.random.fold_in(key, 2), np.float32(1 - 0.4), (7, 5, 6))
+  np.testing.assert_array_equal(jcr.dropout_keep_mask(key, np.int64(2), (np.int64(7), 5, 6), 0.4),
+                                want)
+  traced = jax.jit(lambda k: jcr.dropout_keep_mask(k, 2, [7, 5, 6], np.float32(0.4)))(key)
+  np.testing.assert_array_equal(traced, want)
+  assert 0.5 < float(want.mean()) < 0.7
