@@ -67,24 +67,23 @@ def _as_array(name: str, value, dtype=None) -> jax.Array:
   float32 for a bfloat16 model, and refused)."""
   if isinstance(value, jax.Array):  # tracers too; jnp.asarray would take 20-30 us to return it
     return value
-  if isinstance(value, (list, tuple, int, float)):
-    try:
-      return jnp.asarray(value, dtype)
-    except (TypeError, ValueError) as e:  # ragged, or not of real numbers
-      raise TypeError(f"{name} must be an array or a nested list of real numbers of one "
-                      f"shape; converting the {type(value).__name__} failed: {e}") from e
-  if isinstance(value, np.ndarray) or hasattr(value, "__jax_array__"):
-    return jnp.asarray(value)
-  raise TypeError(f"{name} must be an array, got {type(value).__name__}")
+  own_dtype = isinstance(value, np.ndarray) or hasattr(value, "__jax_array__")
+  if not own_dtype and not isinstance(value, (list, tuple, int, float)):
+    raise TypeError(f"{name} must be an array, got {type(value).__name__}")
+  try:
+    return jnp.asarray(value, None if own_dtype else dtype)
+  except (TypeError, ValueError) as e:  # ragged, or not of real numbers (an object array)
+    raise TypeError(f"{name} must be an array or a nested list of real numbers of one "
+                    f"shape; converting the {type(value).__name__} failed: {e}") from e
 
 
 def _check_dtype(name: str, array: jax.Array, dtype: np.dtype) -> None:
-  if np.dtype(array.dtype) != dtype:
+  if array.dtype != dtype:  # not np.dtype(): a PRNG key array's dtype is none of numpy's
     hint = ""
     if dtype == np.float64 and not jax.config.jax_enable_x64:
       hint = f" ({_params.X64_HINT})"
     raise TypeError(f"{name} must have dtype {dtype.name} (the spec's dtype), "
-                    f"got {np.dtype(array.dtype).name}{hint}")
+                    f"got {array.dtype}{hint}")
 
 
 def check_state_shape(spec, name: str, shape, batch: int, *, unit_name: str = "num_units"):
@@ -110,17 +109,30 @@ def _check_state(spec, name, state, batch):
   return state
 
 
+def _known_values(value):
+  """The values of `value` where they are known: a concrete array, or a NumPy
+  array or list even under `jit` (where `jnp.asarray` makes a tracer of it),
+  read before JAX narrows it (without x64, 2**32 would become 0); else None."""
+  if isinstance(value, jax.core.Tracer):
+    return None
+  try:
+    return np.asarray(value)
+  except jax.errors.TracerArrayConversionError:  # a list holding tracers
+    return None
+
+
 def _check_seq_lengths(seq_lengths, batch, steps):
   if seq_lengths is None:
     return None
+  values = seq_lengths
   seq_lengths = _as_array("seq_lengths", seq_lengths)
   if seq_lengths.shape != (batch,):
     raise ValueError(f"seq_lengths must have shape ({batch},) (batch,), "
                      f"got {tuple(seq_lengths.shape)}")
   if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
-    raise TypeError(f"seq_lengths must have an integer dtype, got {np.dtype(seq_lengths.dtype).name}")
-  if not isinstance(seq_lengths, jax.core.Tracer):
-    values = np.asarray(seq_lengths)
+    raise TypeError(f"seq_lengths must have an integer dtype, got {seq_lengths.dtype}")
+  values = _known_values(values)
+  if values is not None:
     bad = np.flatnonzero((values < 0) | (values > steps))
     if bad.size:
       raise ValueError(f"seq_lengths must be in [0, {steps}] (0 to the number of steps), got "
@@ -189,10 +201,10 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     params = _partition.batch_like(params, None, x, data_axis)
     x = _partition.batch_like(x, data_axis, x, data_axis)
   apply_dropout = bool(is_training) and spec.dropout > 0 and spec.num_layers > 1
-  if apply_dropout:
-    if dropout_key is None:
-      raise ValueError(f"dropout_key is required when is_training=True and dropout="
-                       f"{spec.dropout} > 0: pass dropout_key=jax.random.key(...)")
+  if apply_dropout and dropout_key is None:
+    raise ValueError(f"dropout_key is required when is_training=True and dropout="
+                     f"{spec.dropout} > 0: pass dropout_key=jax.random.key(...)")
+  if dropout_key is not None:  # checked even where unused: it would be used elsewhere
     dropout_key = _params.check_key("dropout_key", dropout_key)
 
   backend = resolve_implementation(implementation)

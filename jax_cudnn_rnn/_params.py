@@ -26,8 +26,8 @@ def _check_params(spec, params) -> jax.Array:
   if params.shape != (size,):
     raise ValueError(
         f"params must have shape ({size},) (params_size() of {spec}), got {tuple(params.shape)}")
-  if np.dtype(params.dtype) != spec.dtype:
-    raise TypeError(f"params must have dtype {spec.dtype.name}, got {np.dtype(params.dtype).name}")
+  if params.dtype != spec.dtype:  # not np.dtype(): a PRNG key array's dtype is none of numpy's
+    raise TypeError(f"params must have dtype {spec.dtype.name}, got {params.dtype}")
   return params if isinstance(params, jax.Array) else jnp.asarray(params)
 
 

@@ -223,7 +223,7 @@ _CALL_DOC = """Runs the RNN over a sequence.
         are zero, final states are those at step `length - 1`, and the
         backward direction starts at step `length - 1`.
       dropout_key: PRNG key for inter-layer dropout; required when
-        `is_training` and `dropout > 0`.
+        `is_training` and `dropout > 0`, and checked wherever given.
       time_major: layout of `input_data` and `output`.
       implementation: None (cuDNN where it can run, else XLA; XLA for a
         single step of a model of up to 2^22 parameters, where it is the

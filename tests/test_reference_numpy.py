@@ -105,6 +105,19 @@ def test_seq_lengths_out_of_range_raise_where_known():
     spec(x, h, params, seq_lengths=np.array([9, 1]))
   with pytest.raises(ValueError, match=r"got -2 for sequence 1"):
     spec(x, h, params, seq_lengths=[3, -2])
+  # Known under jit too: a NumPy array or list closed over (jnp.asarray makes
+  # a tracer of it there, so the values are read from what was passed).
+  with pytest.raises(ValueError, match=r"got 9 for sequence 0"):
+    jax.jit(lambda: spec(x, h, params, seq_lengths=np.array([9, 1])))()
+  with pytest.raises(ValueError, match=r"got -2 for sequence 1"):
+    jax.jit(lambda: spec(x, h, params, seq_lengths=[3, -2]))()
+  # Read before JAX narrows them: without x64, 2**32 + 1 would become 1.
+  with jax.enable_x64(False):
+    x32, h32 = np.float32(x), np.float32(h)
+    spec32 = jcr.CudnnGRU(1, 3, 2)
+    params32 = spec32.init_params(jax.random.key(0))
+    with pytest.raises(ValueError, match=r"got 4294967297 for sequence 0"):
+      spec32(x32, h32, params32, seq_lengths=np.array([2**32 + 1, 1]))
 
 
 def test_traced_seq_lengths_out_of_range_are_clamped():

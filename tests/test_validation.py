@@ -39,6 +39,12 @@ def _lstm(**over):
     (dict(params=jnp.zeros(10, jnp.float32)), ValueError, r"params must have shape \(\d+,\)"),
     (dict(params=jnp.zeros(LSTM.params_size(), jnp.bfloat16)), TypeError, "params must have dtype float32, got bfloat16"),
     (dict(params=[1.0, 2.0]), TypeError, "params must be an array"),
+    (dict(params=jax.random.split(jax.random.key(0), LSTM.params_size())), TypeError,
+     r"^params must have dtype float32, got key<fry>$"),
+    (dict(input_data=np.full((5, 2, 3), None)), TypeError,
+     r"^input_data must be an array or a nested list of real numbers of one shape; converting "
+     r"the ndarray failed"),
+    (dict(seq_lengths=[[5], [5]]), ValueError, r"seq_lengths must have shape \(2,\)"),
     (dict(seq_lengths=jnp.ones((3,), jnp.int32)), ValueError, r"seq_lengths must have shape \(2,\)"),
     (dict(seq_lengths=jnp.ones((2,), jnp.float32)), TypeError, "seq_lengths must have an integer dtype, got float32"),
     (dict(implementation="triton"), ValueError, "implementation must be one of"),
@@ -137,3 +143,16 @@ def test_a_list_that_is_no_array_names_the_argument(value, detail):
     _lstm(input_data=value)
   with pytest.raises(TypeError, match=r"^input_h must be an array or a nested list"):
     _lstm(input_h=value)
+
+
+def test_a_bad_dropout_key_is_an_error_even_where_no_dropout_runs():
+  # It would be used by another call (training, or a model with dropout), so
+  # it is refused where it is passed rather than where it first matters.
+  for spec, training in ((GRU, True), (jcr.CudnnGRU(2, 4, 3, dropout=0.5), False)):
+    x, h, params = _good(spec)
+    with pytest.raises(TypeError, match=r"^dropout_key must be a PRNG key"):
+      spec(x, h, params, is_training=training, dropout_key=3)
+    with pytest.raises(ValueError, match=r"^dropout_key must be a single PRNG key, got shape \(2,\)"):
+      spec(x, h, params, is_training=training, dropout_key=jax.random.split(jax.random.key(0)))
+    y, _ = spec(x, h, params, is_training=training, dropout_key=jax.random.key(0))
+    np.testing.assert_array_equal(y, spec(x, h, params, is_training=False)[0])
