@@ -27,9 +27,19 @@ def make_spec(rnn_mode: str, *, features: int, num_layers: int, input_size: int,
       dropout=dropout_rate)
 
 
+def _real_array(name: str, value, dtype=None):
+  """`value` as an array, cast to `dtype` when given, as Flax's modules cast
+  what they are given; but only from a real dtype (float, integer or bool):
+  a complex array would lose its imaginary part, a key array is no number."""
+  array = _ops._as_array(name, value, dtype)
+  if not any(jnp.issubdtype(array.dtype, kind) for kind in (jnp.floating, jnp.integer, jnp.bool_)):
+    raise TypeError(f"{name} must have a float, integer or bool dtype, got {array.dtype}")
+  return array if dtype is None else array.astype(dtype)
+
+
 def as_inputs(inputs, time_major: bool):
   """The modules' `inputs` as an array of rank 3, or an error in their terms."""
-  inputs = _ops._as_array("inputs", inputs)
+  inputs = _real_array("inputs", inputs)
   if inputs.ndim != 3:
     layout = "[T, B, features]" if time_major else "[B, T, features]"
     raise ValueError(f"inputs must have rank 3 {layout} (time_major={time_major}), "
@@ -56,7 +66,7 @@ def _carry(spec, name: str, value, inputs, time_major: bool):
   """One state of `initial_carry` as an array of the compute dtype, its shape
   checked here so that the error names the module's terms (the spec's own
   check names `input_h`); an input of the wrong rank is left to the spec."""
-  state = jnp.asarray(value, spec.dtype)
+  state = _real_array(name, value, spec.dtype)
   if inputs.ndim == 3:
     _ops.check_state_shape(spec, name, state.shape, inputs.shape[1 if time_major else 0],
                            unit_name="features")

@@ -207,3 +207,28 @@ def test_inputs_are_arrays_of_rank_3_in_the_modules_terms():
   nested = [[[1.0, 2.0]], [[0.5, -1.0]]]  # a list, as jnp.asarray makes it
   np.testing.assert_array_equal(m.apply(variables, nested),
                                 m.apply(variables, jnp.asarray(nested)))
+
+
+def test_inputs_and_carry_of_no_real_dtype_name_the_argument():
+  # The modules cast what they are given (as Flax's do), but only from a real
+  # dtype: complex lost its imaginary part and an object array became NaN, silently.
+  m = linen.LSTM(features=4, return_carry=True)
+  x = jnp.ones((2, 3, 5), jnp.float32)
+  variables = m.init(jax.random.key(0), x)
+  h = np.zeros((1, 2, 4), np.float32)
+  for apply in (m.apply, jax.jit(m.apply)):
+    with pytest.raises(TypeError, match=r"^initial_carry\[0\] \(h\) must have a float, integer or "
+                                        r"bool dtype, got complex64"):
+      apply(variables, x, (h.astype(np.complex64), h))
+    if apply is m.apply:  # (jit's own arguments cannot be object arrays)
+      with pytest.raises(TypeError, match=r"^initial_carry\[1\] \(c\) must be an array or a "
+                                          r"nested list of real numbers"):
+        apply(variables, x, (h, np.full(h.shape, None)))
+    with pytest.raises(TypeError, match=r"^inputs must have a float, integer or bool dtype, got "
+                                        r"key<fry>"):
+      apply(variables, jax.random.split(jax.random.key(0), 30).reshape(2, 3, 5))
+  # What is real is cast, as before: integer inputs and a float64 carry.
+  carry, y = m.apply(variables, x.astype(jnp.int32), (h.astype(np.float64), h))
+  want_carry, want_y = m.apply(variables, x, (h, h))
+  np.testing.assert_array_equal(y, want_y)
+  np.testing.assert_array_equal(carry[1], want_carry[1])

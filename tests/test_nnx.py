@@ -158,3 +158,15 @@ def test_orbax_checkpoint_of_train_state(tmp_path):
   np.testing.assert_array_equal(other_model(x), model(x))
   np.testing.assert_array_equal(step(other_model, other_optimizer), step(model, optimizer))
   np.testing.assert_array_equal(other_model.opaque_params[...], model.opaque_params[...])
+
+
+def test_inputs_and_carry_of_no_real_dtype_name_the_argument():
+  m = jnnx.GRU(4, 6, rngs=nnx.Rngs(0))
+  x = jnp.ones((3, 5, 4), jnp.float32)
+  with pytest.raises(TypeError, match=r"^initial_carry must have a float, integer or bool dtype, "
+                                      r"got complex64"):
+    m(x, jnp.zeros((1, 3, 6), jnp.complex64))
+  with pytest.raises(TypeError, match=r"^inputs must have a float, integer or bool dtype, got "
+                                      r"complex64"):
+    nnx.jit(lambda m, x: m(x))(m, x.astype(jnp.complex64))
+  np.testing.assert_array_equal(m(x.astype(jnp.bool_)), m(x))  # a real dtype is cast
