@@ -29,11 +29,8 @@ def make_spec(rnn_mode: str, *, features: int, num_layers: int, input_size: int,
 
 def _real_array(name: str, value, dtype=None):
   """`value` as an array, cast to `dtype` when given, as Flax's modules cast
-  what they are given; but only from a real dtype (float, integer or bool):
-  a complex array would lose its imaginary part, a key array is no number."""
-  array = _ops._as_array(name, value, dtype)
-  if not any(jnp.issubdtype(array.dtype, kind) for kind in (jnp.floating, jnp.integer, jnp.bool_)):
-    raise TypeError(f"{name} must have a float, integer or bool dtype, got {array.dtype}")
+  what they are given; but only from a real dtype (`_params.check_real`)."""
+  array = _params.check_real(name, _ops._as_array(name, value, dtype))
   return array if dtype is None else array.astype(dtype)
 
 

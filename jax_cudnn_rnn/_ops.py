@@ -70,11 +70,7 @@ def _as_array(name: str, value, dtype=None) -> jax.Array:
   own_dtype = isinstance(value, np.ndarray) or hasattr(value, "__jax_array__")
   if not own_dtype and not isinstance(value, (list, tuple, int, float)):
     raise TypeError(f"{name} must be an array, got {type(value).__name__}")
-  try:
-    return jnp.asarray(value, None if own_dtype else dtype)
-  except (TypeError, ValueError) as e:  # ragged, or not of real numbers (an object array)
-    raise TypeError(f"{name} must be an array or a nested list of real numbers of one "
-                    f"shape; converting the {type(value).__name__} failed: {e}") from e
+  return _params.as_array(name, value, lambda v: jnp.asarray(v, None if own_dtype else dtype))
 
 
 def _check_dtype(name: str, array: jax.Array, dtype: np.dtype) -> None:

@@ -18,6 +18,26 @@ from jax_cudnn_rnn import _layout
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 
+def as_array(where: str, value, convert=jnp.asarray):
+  """`convert(value)`, or a `TypeError` naming `where` where that fails (a
+  ragged list, or one of strings or other objects, an object array)."""
+  try:
+    return convert(value)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"{where} must be an array or a nested list of real numbers of one "
+                    f"shape; converting the {type(value).__name__} failed: {e}") from e
+
+
+def check_real(where: str, array):
+  """`array`, or a `TypeError` naming `where` unless its dtype is real (float,
+  integer or bool): cast to a float, a complex array would lose its imaginary
+  part and an object array would become NaN, silently; a key array holds no
+  numbers."""
+  if not any(jnp.issubdtype(array.dtype, kind) for kind in (jnp.floating, jnp.integer, jnp.bool_)):
+    raise TypeError(f"{where} must have a float, integer or bool dtype, got {array.dtype}")
+  return array
+
+
 def _check_params(spec, params) -> jax.Array:
   """Validates an opaque buffer's rank, size and dtype; returns it as an array."""
   if not hasattr(params, "shape") or not hasattr(params, "dtype"):
@@ -103,31 +123,39 @@ def _draw(name: str, init, keys, entries, dtype) -> list:
                     f"jax.nn.initializers makes, got {type(init).__name__}")
   out = []
   for k, t in zip(keys, entries):
-    value = init(k, t.shape, dtype)
+    value = check_real(f"{name}'s result", as_array(f"{name}'s result", init(k, t.shape, dtype)))
     if tuple(np.shape(value)) != t.shape:
       raise ValueError(f"{name} returned shape {tuple(np.shape(value))} when asked for {t.shape}")
     out.append(value)
   return out
 
 
-def _check_canonical(name: str, arrays: Sequence, entries) -> None:
+def _check_canonical(name: str, arrays: Sequence, entries) -> list[jax.Array]:
+  """`arrays` as arrays of a real dtype and the shapes of `entries`, or an
+  error naming the one that is not."""
   if not isinstance(arrays, (list, tuple)):
     raise TypeError(f"{name} must be a list of arrays, got {type(arrays).__name__}")
   if len(arrays) != len(entries):
     raise ValueError(f"{name} must hold {len(entries)} arrays, got {len(arrays)}")
-  for i, (a, t) in enumerate(zip(arrays, entries)):
-    shape = tuple(np.shape(a))
-    if shape != t.shape:
-      raise ValueError(f"{name}[{i}] must have shape {t.shape}, got {shape}")
+  return [canonical_entry(f"{name}[{i}]", a, t.shape)
+          for i, (a, t) in enumerate(zip(arrays, entries))]
+
+
+def canonical_entry(where: str, value, shape: tuple[int, ...]) -> jax.Array:
+  """`value` as an array of a real dtype and `shape`, or an error naming `where`."""
+  array = check_real(where, as_array(where, value))
+  if array.shape != shape:
+    raise ValueError(f"{where} must have shape {shape}, got {array.shape}")
+  return array
 
 
 def canonical_to_params(spec, weights: Sequence, biases: Sequence) -> jax.Array:
   """Packs canonical weights and biases (cast to `spec.dtype`) into an opaque buffer."""
   _check_dtype_available(spec, "canonical_to_params")
   weight_entries, bias_entries = _layout.tensors(spec)
-  _check_canonical("weights", weights, weight_entries)
-  _check_canonical("biases", biases, bias_entries)
-  flat = [jnp.ravel(jnp.asarray(a)).astype(spec.dtype) for a in (*weights, *biases)]
+  weights = _check_canonical("weights", weights, weight_entries)
+  biases = _check_canonical("biases", biases, bias_entries)
+  flat = [jnp.ravel(a).astype(spec.dtype) for a in (*weights, *biases)]
   return jnp.concatenate(flat)
 
 

@@ -110,10 +110,8 @@ def from_canonical_tree(spec, tree) -> jax.Array:
       except (KeyError, TypeError):
         raise CheckpointError(f"canonical tree has no {layer}/{direction}/{leaf} "
                               f"(needed by {spec})") from None
-      if tuple(np.shape(value)) != entry.shape:
-        raise ValueError(f"canonical tree's {layer}/{direction}/{leaf} must have shape "
-                         f"{entry.shape}, got {tuple(np.shape(value))}")
-      out.append(value)
+      out.append(_params.canonical_entry(f"canonical tree's {layer}/{direction}/{leaf}", value,
+                                         entry.shape))
     return out
 
   return spec.canonical_to_params(get(w_names, w_entries), get(b_names, b_entries))

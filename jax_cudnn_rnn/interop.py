@@ -36,7 +36,9 @@ Lossless where the target can express the weights, an error where it cannot:
 The `to_*` functions return numpy arrays (torch tensors for
 `to_torch_state_dict` when `as_tensors=True`; nnx modules for
 `to_flax_nnx_cells`); the `from_*` ones return the opaque buffer, a
-`jax.Array` in the spec's dtype, as `canonical_to_params` does.
+`jax.Array` in the spec's dtype, as `canonical_to_params` does. They read
+each array of any real dtype (float, integer, bool); any other (complex,
+object, PRNG keys) is a `TypeError` naming it (`_np`).
 """
 
 from __future__ import annotations
@@ -52,18 +54,20 @@ import numpy as np
 from jax_cudnn_rnn import _layout, _params, _spec
 
 
-def _np(a) -> np.ndarray:
+def _np(where: str, a) -> np.ndarray:
+  """`a` (an array, a torch tensor or a nested list) as numpy, or an error
+  naming `where` unless it holds real numbers (`_params.check_real`)."""
   if hasattr(a, "detach"):  # torch tensor
     a = a.detach().cpu()
     if a.is_floating_point() and a.element_size() < 4:
       a = a.float()  # exact; numpy has no bfloat16 (or float8) for .numpy() to make
     a = a.numpy()
-  return np.asarray(a)
+  return _params.check_real(where, _params.as_array(where, a, np.asarray))
 
 
 def _shaped(where: str, value, shape: tuple, context: str) -> np.ndarray:
   """`value` as numpy, or a ValueError naming `where` unless it has `shape`."""
-  array = _np(value)
+  array = _np(where, value)
   if array.shape != shape:
     raise ValueError(f"{where} has shape {array.shape}, expected {shape} {context}")
   return array
@@ -332,19 +336,19 @@ def _nnx_tree(kind, W, R, bW, bR, where):
 
 
 def _from_nnx_tree(kind, tree, g, units):
-  """`(W, R, bW, bR)` from one nnx cell's pure-dict params (the inverse of `_nnx_tree`)."""
+  """`(W, R, bW, bR)` from one nnx cell's pure-dict params (the inverse of `_nnx_tree`),
+  their leaves numpy arrays already."""
   if kind == "LSTMCell":
-    W = [_np(tree[n]["kernel"]).T for n in ("ii", "if_", "ig", "io")]
-    R = [_np(tree[f"h{q}"]["kernel"]).T for q in _LSTM_GATES]
-    bW = [_np(tree[f"h{q}"]["bias"]) for q in _LSTM_GATES]
+    W = [tree[n]["kernel"].T for n in ("ii", "if_", "ig", "io")]
+    R = [tree[f"h{q}"]["kernel"].T for q in _LSTM_GATES]
+    bW = [tree[f"h{q}"]["bias"] for q in _LSTM_GATES]
   else:
     for name in ("dense_i", "dense_h"):
-      if _np(tree[name]["kernel"]).shape[-1] != g * units:
+      if tree[name]["kernel"].shape[-1] != g * units:
         raise ValueError(name)
-    W = np.split(_np(tree["dense_i"]["kernel"]).T, g)
-    R = np.split(_np(tree["dense_h"]["kernel"]).T, g)
-    bias = tree["dense_h" if kind == "OptimizedLSTMCell" else "dense_i"]["bias"]
-    bW = np.split(_np(bias), g)
+    W = np.split(tree["dense_i"]["kernel"].T, g)
+    R = np.split(tree["dense_h"]["kernel"].T, g)
+    bW = np.split(tree["dense_h" if kind == "OptimizedLSTMCell" else "dense_i"]["bias"], g)
   if any(r.shape != (units, units) for r in R):
     raise ValueError("R")
   return W, R, bW, [np.zeros_like(b) for b in bW]
@@ -391,8 +395,13 @@ def from_flax_nnx_cells(spec, cells: Sequence[Sequence[Any]]):
           raise ValueError(f"{where} is a residual SimpleCell (h' = h + ...): not an RNN of "
                            f"{spec.rnn_mode}")
         tree = nnx.to_pure_dict(nnx.state(c, nnx.Param))
-      else:
+      elif isinstance(c, Mapping):
         tree = c
+      else:
+        raise TypeError(f"{where} must be a Flax nnx cell or its pure-dict params, got "
+                        f"{type(c).__name__}")
+      tree = jax.tree_util.tree_map_with_path(
+          lambda path, leaf: _np(where + jax.tree_util.keystr(path), leaf), tree)
       kind = "LSTMCell" if spec.rnn_mode == "lstm" and "ii" in tree else \
           _NNX_CELLS[spec.rnn_mode][-1]
       try:
@@ -454,7 +463,8 @@ def from_keras_weights(spec, weights: Sequence[Sequence[Sequence[Any]]]):
       gates = f"({g} gates of {spec.num_units} units) for {spec}"
       kernel = _shaped(f"{where} kernel", kernel, (spec.layer_input_size(layer), cols), gates)
       recurrent = _shaped(f"{where} recurrent_kernel", recurrent, (spec.num_units, cols), gates)
-      bias = (_np(bias) if spec.rnn_mode == "gru"  # its own check below names reset_after
+      bias = (_np(f"{where} bias", bias)
+              if spec.rnn_mode == "gru"  # its own check below names reset_after
               else _shaped(f"{where} bias", bias, (cols,), f"for {spec}"))
       split = lambda m: [np.split(m, g, axis=-1)[j] for j in inverse]
       W = [w.T for w in split(kernel)]
@@ -569,7 +579,7 @@ def from_tf1_checkpoint(spec, tensors: Mapping[str, Any], *, scope: str | None =
   H, g = spec.num_units, spec.num_gates
 
   def get(name, shape):
-    value = _np(tensors[name])
+    value = _np(f"tensors[{name!r}]", tensors[name])
     if value.shape != shape:
       raise ValueError(f"tensors[{name!r}] must have shape {shape}, got {value.shape}")
     return value

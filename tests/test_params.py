@@ -102,6 +102,9 @@ def test_init_params_initializer_errors_name_the_initializer():
   with pytest.raises(TypeError, match=r"^bias_initializer must be a callable init\(key, shape, "
                                       r"dtype\), as jax.nn.initializers makes, got str$"):
     spec.init_params(key, bias_initializer="zeros")
+  with pytest.raises(TypeError, match=r"^weight_initializer's result must have a float, integer "
+                                      r"or bool dtype, got complex64$"):
+    spec.init_params(key, weight_initializer=lambda k, shape, dtype: jnp.ones(shape, jnp.complex64))
   # Another dtype is cast to the spec's, as canonical_to_params does.
   params = spec.init_params(key,
                             weight_initializer=lambda k, shape, dtype: jnp.ones(shape, jnp.float16))
