@@ -364,6 +364,14 @@ def _move_into_place(written: epath.Path, directory: epath.Path,
   return None
 
 
+def _directory(directory) -> epath.Path:
+  """`directory` as an absolute path, or a `TypeError` naming the argument
+  (rather than epath's "Invalid path type")."""
+  if not isinstance(directory, (str, os.PathLike)):
+    raise TypeError(f"directory must be a str or an os.PathLike, got {type(directory).__name__}")
+  return epath.Path(directory).absolute()
+
+
 @_spec.takes_spec
 def save(directory, spec, params) -> None:
   """Saves `params` of `spec` to `directory`, replacing a checkpoint there only on success.
@@ -373,7 +381,7 @@ def save(directory, spec, params) -> None:
   data is never replaced. With several processes, each calls it (module doc).
   """
   args = RNNParamsSave(spec, params)  # checks its arguments before anything is written
-  directory = epath.Path(directory).absolute()
+  directory = _directory(directory)
   if directory.exists() and not _is_replaceable(directory):
     kind = "a directory that is not a jax_cudnn_rnn checkpoint" if directory.is_dir() else "a file"
     raise CheckpointError(f"{directory} exists and is {kind}; save replaces only an empty "
@@ -410,7 +418,7 @@ def restore(directory, spec, dtype=None, *, sharding=None) -> jax.Array:
   on JAX's default device.
   """
   args = RNNParamsRestore(spec, dtype, sharding)  # checks its arguments before any reading
-  directory = epath.Path(directory).absolute()
+  directory = _directory(directory)
   if not directory.exists():
     raise CheckpointError(f"checkpoint directory {directory} does not exist")
   if not directory.is_dir():

@@ -176,6 +176,16 @@ def test_missing_directory(tmp_path):
     ck.restore(tmp_path / "nope", jcr.CudnnLSTM(1, 4, 3))
 
 
+def test_a_directory_that_is_no_path_is_a_type_error(tmp_path):
+  spec = jcr.CudnnLSTM(1, 4, 3)
+  with pytest.raises(TypeError, match=r"^directory must be a str or an os.PathLike, got NoneType$"):
+    ck.save(None, spec, spec.init_params(jax.random.key(0)))
+  with pytest.raises(TypeError, match=r"^directory must be a str or an os.PathLike, got int$"):
+    ck.restore(3, spec)
+  ck.save(str(tmp_path / "a"), spec, spec.init_params(jax.random.key(0)))  # a str is a path
+  assert ck.restore(str(tmp_path / "a"), spec).shape == (spec.params_size(),)
+
+
 def test_restoring_from_a_file_is_a_clear_error(tmp_path):
   (tmp_path / "f").write_text("not a checkpoint")
   with pytest.raises(ck.CheckpointError, match=r"f is a file, not a checkpoint directory"):
