@@ -54,6 +54,8 @@ def _check_positive_int(name: str, value: Any) -> int:
 
 def _check_dtype(value: Any) -> np.dtype:
   try:
+    if value is None:  # numpy's float64, where JAX's None means its default float
+      raise TypeError
     dtype = np.dtype(value)
   except TypeError:
     raise TypeError(

@@ -85,6 +85,9 @@ def dataclasses_frozen_error():
     (dict(dropout="0.5"), TypeError, "dropout"),
     (dict(dtype=jnp.int32), TypeError, "dtype"),
     (dict(dtype="not-a-dtype"), TypeError, "dtype"),
+    # numpy reads None as float64; JAX's None is its default float: neither is assumed
+    (dict(dtype=None), TypeError, r"^dtype must be one of \['float16', 'bfloat16', 'float32', "
+                                  r"'float64'\], got None$"),
     (dict(seed=1.0), TypeError, "seed"),
 ])
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
