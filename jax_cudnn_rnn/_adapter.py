@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _ops, _params
+from jax_cudnn_rnn import _dropout, _ops, _params, _spec
 
 MODE_CLASSES = {"lstm": jcr.CudnnLSTM, "gru": jcr.CudnnGRU, "rnn_tanh": jcr.CudnnRNNTanh,
                 "rnn_relu": jcr.CudnnRNNRelu}
@@ -19,8 +20,28 @@ def simple_rnn_mode(activation: str) -> str:
   return f"rnn_{activation}"
 
 
+def check_bool(name: str, value) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+  return bool(value)
+
+
 def make_spec(rnn_mode: str, *, features: int, num_layers: int, input_size: int,
-              input_mode: str, bidirectional: bool, dtype: Any, dropout_rate: float):
+              input_mode: str, bidirectional: bool, dtype: Any, dropout_rate: float,
+              input_name: str, dtype_name: str = "param_dtype"):
+  """The spec of a module, its arguments checked first in the module's terms
+  (the spec's own errors would say num_units, dropout, input_size or dtype):
+  `input_name` is what the module calls the input's width, `dtype_name` the
+  argument `dtype` came from."""
+  _spec.check_positive_int("features", features)
+  _spec.check_positive_int("num_layers", num_layers)
+  _dropout.check_rate("dropout_rate", dropout_rate)
+  check_bool("bidirectional", bidirectional)
+  _spec.check_dtype(dtype, dtype_name)
+  _spec.check_positive_int(input_name, input_size)
+  if input_mode == "skip_input" and input_size != features:
+    raise ValueError(f"input_mode='skip_input' needs {input_name} == features, got "
+                     f"{input_size} and {features}")
   return MODE_CLASSES[rnn_mode](
       num_layers=num_layers, num_units=features, input_size=input_size, input_mode=input_mode,
       direction="bidirectional" if bidirectional else "unidirectional", dtype=dtype,

@@ -44,7 +44,7 @@ SUPPORTED_DTYPES = (
 NUM_GATES = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 4, "gru": 3}
 
 
-def _check_positive_int(name: str, value: Any) -> int:
+def check_positive_int(name: str, value: Any) -> int:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
   if value <= 0:
@@ -52,18 +52,19 @@ def _check_positive_int(name: str, value: Any) -> int:
   return int(value)
 
 
-def _check_dtype(value: Any) -> np.dtype:
+def check_dtype(value: Any, name: str = "dtype") -> np.dtype:
+  """`value` as one of `SUPPORTED_DTYPES`, or a `TypeError` naming `name`."""
   try:
     if value is None:  # numpy's float64, where JAX's None means its default float
       raise TypeError
     dtype = np.dtype(value)
   except TypeError:
     raise TypeError(
-        f"dtype must be one of {[d.name for d in SUPPORTED_DTYPES]}, got {value!r}"
+        f"{name} must be one of {[d.name for d in SUPPORTED_DTYPES]}, got {value!r}"
     ) from None
   if dtype not in SUPPORTED_DTYPES:
     raise TypeError(
-        f"dtype must be one of {[d.name for d in SUPPORTED_DTYPES]}, got {dtype.name}"
+        f"{name} must be one of {[d.name for d in SUPPORTED_DTYPES]}, got {dtype.name}"
     )
   return dtype
 
@@ -112,9 +113,9 @@ class CudnnRNNBase:
           "CudnnRNNBase is abstract: use CudnnLSTM, CudnnGRU, CudnnRNNTanh or CudnnRNNRelu"
       )
     set_ = lambda k, v: object.__setattr__(self, k, v)
-    set_("num_layers", _check_positive_int("num_layers", self.num_layers))
-    set_("num_units", _check_positive_int("num_units", self.num_units))
-    set_("input_size", _check_positive_int("input_size", self.input_size))
+    set_("num_layers", check_positive_int("num_layers", self.num_layers))
+    set_("num_units", check_positive_int("num_units", self.num_units))
+    set_("input_size", check_positive_int("input_size", self.input_size))
     if self.input_mode not in INPUT_MODES:
       raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {self.input_mode!r}")
     if self.input_mode == "auto_select":
@@ -126,7 +127,7 @@ class CudnnRNNBase:
           f"input_size={self.input_size}, num_units={self.num_units}")
     if self.direction not in DIRECTIONS:
       raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
-    set_("dtype", _check_dtype(self.dtype))
+    set_("dtype", check_dtype(self.dtype))
     set_("dropout", _dropout.check_rate("dropout", self.dropout))
     if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
       raise TypeError(f"seed must be an int, got {self.seed!r}")

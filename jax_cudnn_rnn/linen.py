@@ -52,11 +52,13 @@ class _FusedRNN(nn.Module):
     return self.rnn_mode
 
   def spec(self, input_size: int, dtype: Any = None) -> jcr.CudnnRNNBase:
-    """The spec of this module for inputs of `input_size` features."""
+    """The spec of this module for inputs of `input_size` features (in
+    `param_dtype`, or `dtype` where given)."""
     return _adapter.make_spec(
         self._rnn_mode(), features=self.features, num_layers=self.num_layers,
         input_size=input_size, input_mode=self.input_mode, bidirectional=self.bidirectional,
-        dtype=self.param_dtype if dtype is None else dtype, dropout_rate=self.dropout_rate)
+        dtype=self.param_dtype if dtype is None else dtype, dropout_rate=self.dropout_rate,
+        input_name="the inputs' features", dtype_name="param_dtype" if dtype is None else "dtype")
 
   @nn.compact
   def __call__(self, inputs, initial_carry=None, *, seq_lengths=None, deterministic=None):
@@ -73,13 +75,14 @@ class _FusedRNN(nn.Module):
       `outputs` `[B, T, num_dirs * features]`, or `(carry, outputs)` when
       `return_carry`.
     """
-    if self.dropout_rate > 0 and self.num_layers > 1:
+    inputs = _adapter.as_inputs(inputs, self.time_major)
+    input_size = inputs.shape[-1]
+    param_spec = self.spec(input_size)  # checks the attributes it is made of
+    _adapter.check_bool("return_carry", self.return_carry)
+    if param_spec.dropout > 0 and param_spec.num_layers > 1:
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
     else:  # nothing to drop: no need to say
       deterministic = True
-    inputs = _adapter.as_inputs(inputs, self.time_major)
-    input_size = inputs.shape[-1]
-    param_spec = self.spec(input_size)
     self._check_input_size(inputs.shape, param_spec)
     params = self.param(
         "opaque_params",

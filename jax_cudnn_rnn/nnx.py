@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_cudnn_rnn import _adapter
+from jax_cudnn_rnn import _adapter, _spec
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 
@@ -38,7 +38,10 @@ class _FusedRNN(nnx.Module):
     self.spec = _adapter.make_spec(
         self._rnn_mode(), features=features, num_layers=num_layers, input_size=in_features,
         input_mode=input_mode, bidirectional=bidirectional, dtype=param_dtype,
-        dropout_rate=dropout_rate)
+        dropout_rate=dropout_rate, input_name="in_features")
+    if dtype is not None:
+      _spec.check_dtype(dtype)
+    _adapter.check_bool("return_carry", return_carry)
     self.opaque_params = nnx.Param(
         _adapter.init_params(self.spec, rngs.params(), kernel_init, bias_init))
     self.time_major, self.return_carry = time_major, return_carry

@@ -232,3 +232,22 @@ def test_inputs_and_carry_of_no_real_dtype_name_the_argument():
   want_carry, want_y = m.apply(variables, x, (h, h))
   np.testing.assert_array_equal(y, want_y)
   np.testing.assert_array_equal(carry[1], want_carry[1])
+
+
+@pytest.mark.parametrize("attributes,exc,message", [
+    (dict(features=0), ValueError, r"^features must be a positive int, got 0"),
+    (dict(dropout_rate=1.5, num_layers=2), ValueError, r"^dropout_rate must be in \[0, 1\), got 1.5"),
+    (dict(dropout_rate="a"), TypeError, r"^dropout_rate must be a float in \[0, 1\), got 'a'"),
+    (dict(input_mode="skip_input"), ValueError,
+     r"^input_mode='skip_input' needs the inputs' features == features, got 3 and 4"),
+    (dict(bidirectional="yes"), TypeError, r"^bidirectional must be a bool, got 'yes'"),
+    (dict(return_carry=1), TypeError, r"^return_carry must be a bool, got 1"),
+    (dict(param_dtype=jnp.int32), TypeError, r"^param_dtype must be one of \[.*\], got int32"),
+    (dict(dtype=jnp.complex64), TypeError, r"^dtype must be one of \[.*\], got complex64"),
+])
+def test_attributes_are_checked_in_the_modules_terms(attributes, exc, message):
+  # The spec's own errors said num_units, dropout, input_size or dtype; "a" for
+  # dropout_rate was Python's "'>' not supported", "yes" was taken as True.
+  m = linen.GRU(**(dict(features=4) | attributes))
+  with pytest.raises(exc, match=message):
+    m.init(jax.random.key(0), jnp.ones((2, 5, 3)))

@@ -170,3 +170,19 @@ def test_inputs_and_carry_of_no_real_dtype_name_the_argument():
                                       r"complex64"):
     nnx.jit(lambda m, x: m(x))(m, x.astype(jnp.complex64))
   np.testing.assert_array_equal(m(x.astype(jnp.bool_)), m(x))  # a real dtype is cast
+
+
+@pytest.mark.parametrize("arguments,exc,message", [
+    (dict(features=2.5), TypeError, r"^features must be an int, got 2.5 \(float\)$"),
+    (dict(num_layers=0), ValueError, r"^num_layers must be a positive int, got 0$"),
+    (dict(dropout_rate=-0.1), ValueError, r"^dropout_rate must be in \[0, 1\), got -0.1$"),
+    (dict(input_mode="skip_input"), ValueError,
+     r"^input_mode='skip_input' needs in_features == features, got 3 and 4$"),
+    (dict(bidirectional=None), TypeError, r"^bidirectional must be a bool, got None$"),
+    (dict(return_carry="yes"), TypeError, r"^return_carry must be a bool, got 'yes'$"),
+    (dict(param_dtype=None), TypeError, r"^param_dtype must be one of \[.*\], got None$"),
+    (dict(dtype="foo"), TypeError, r"^dtype must be one of \[.*\], got 'foo'$"),
+])
+def test_arguments_are_checked_in_the_modules_terms(arguments, exc, message):
+  with pytest.raises(exc, match=message):
+    jnnx.GRU(**(dict(in_features=3, features=4) | arguments), rngs=nnx.Rngs(0))
