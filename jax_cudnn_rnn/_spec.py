@@ -157,11 +157,19 @@ class CudnnRNNBase:
 
   def layer_input_size(self, layer: int) -> int:
     """Feature size of the input of `layer` (0-based)."""
-    return self.input_size if layer == 0 else self.output_size
+    return self.input_size if self._layer(layer) == 0 else self.output_size
 
   def layer_has_input_weights(self, layer: int) -> bool:
     """False for layer 0 under skip_input: it has no input matrices W_k."""
-    return not (layer == 0 and self.input_mode == "skip_input")
+    return not (self._layer(layer) == 0 and self.input_mode == "skip_input")
+
+  def _layer(self, layer) -> int:
+    """`layer`, or an error unless it is one of this spec's layers."""
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+      raise TypeError(f"layer must be an int, got {layer!r}")
+    if not 0 <= layer < self.num_layers:
+      raise ValueError(f"layer must be in [0, {self.num_layers}) (num_layers), got {layer}")
+    return int(layer)
 
   # -- parameters --------------------------------------------------------------
 

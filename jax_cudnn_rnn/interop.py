@@ -139,6 +139,8 @@ def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
   """Keys and values of `torch.nn.LSTM/GRU/RNN(..., bias=True)` with the same config:
   numpy arrays, or with `as_tensors` torch tensors of the spec's dtype (a
   bfloat16 spec's are `torch.bfloat16`, as `module.to(torch.bfloat16)` holds)."""
+  if not isinstance(as_tensors, (bool, np.bool_)):
+    raise TypeError(f"as_tensors must be a bool, got {as_tensors!r}")
   out = {}
   for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
     W = _identity_inputs(spec) if W is None else W
@@ -293,6 +295,8 @@ def flax_nnx_cell(spec, layer: int, cell: str | None = None, *, rngs=None):
   from flax import nnx
   kind = _nnx_cell_kind(spec, cell)
   rngs = nnx.Rngs(0) if rngs is None else rngs
+  if not isinstance(rngs, nnx.Rngs):
+    raise TypeError(f"rngs must be an nnx.Rngs or None, got {type(rngs).__name__}")
   cls = getattr(nnx, kind)
   kwargs = dict(param_dtype=spec.dtype, dtype=spec.dtype, rngs=rngs)
   if spec.rnn_mode in ("rnn_tanh", "rnn_relu"):
@@ -497,6 +501,8 @@ _TF1_GRU_BIASES = ("gates/bias", "candidate/input_projection/bias",
 
 
 def _tf1_prefix(spec, layer: int, d: int, scope: str | None) -> str:
+  if scope is not None and not isinstance(scope, str):
+    raise TypeError(f"scope must be a str or None, got {type(scope).__name__}")
   cell = _TF1_CELLS[spec.rnn_mode]
   if spec.num_dirs == 1:
     prefix = f"rnn/multi_rnn_cell/cell_{layer}/{cell}"
@@ -573,6 +579,8 @@ def from_tf1_checkpoint(spec, tensors: Mapping[str, Any], *, scope: str | None =
   scope=scope)` are read, so a whole checkpoint's variables may be passed. A
   missing name or a wrong shape raises `ValueError` naming it.
   """
+  if not isinstance(tensors, Mapping):
+    raise TypeError(f"tensors must be a mapping of names to arrays, got {type(tensors).__name__}")
   missing = [n for n in tf1_checkpoint_names(spec, scope=scope) if n not in tensors]
   if missing:
     raise ValueError(_tf1_missing_message(spec, tensors, missing, scope))

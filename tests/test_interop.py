@@ -375,3 +375,27 @@ def test_a_spec_that_is_not_one_is_a_type_error(name):
     convert({}, *args)
   with pytest.raises(TypeError, match=rf"{name}: spec must be .* got NoneType None"):
     convert(None, *args)
+
+
+def test_option_arguments_that_are_none_of_theirs_are_type_errors():
+  # Before: any layer gave a cell (5 for a 2-layer spec; 1.0 and "0" as layer 1 and 0),
+  # rngs=3 was an AttributeError, as_tensors="yes" was taken as True, scope=3 and a
+  # list of tensors were AttributeError / ValueError from inside.
+  spec = jcr.CudnnLSTM(2, 3, 2, dtype=jnp.float32)
+  params = spec.init_params(jax.random.key(0))
+  with pytest.raises(ValueError, match=r"^layer must be in \[0, 2\) \(num_layers\), got 5$"):
+    interop.flax_nnx_cell(spec, 5)
+  with pytest.raises(TypeError, match=r"^layer must be an int, got '0'$"):
+    interop.flax_nnx_cell(spec, "0")
+  with pytest.raises(TypeError, match=r"^rngs must be an nnx.Rngs or None, got int$"):
+    interop.flax_nnx_cell(spec, 0, rngs=3)
+  with pytest.raises(TypeError, match=r"^as_tensors must be a bool, got 'yes'$"):
+    interop.to_torch_state_dict(spec, params, as_tensors="yes")
+  with pytest.raises(TypeError, match=r"^scope must be a str or None, got int$"):
+    interop.tf1_checkpoint_names(spec, scope=3)
+  with pytest.raises(TypeError, match=r"^tensors must be a mapping of names to arrays, got list$"):
+    interop.from_tf1_checkpoint(spec, [1, 2])
+  assert interop.flax_nnx_cell(spec, 1).in_features == spec.layer_input_size(1) == 3
+  assert spec.layer_has_input_weights(0)
+  with pytest.raises(ValueError, match=r"^layer must be in \[0, 2\)"):
+    spec.layer_has_input_weights(-1)
