@@ -154,6 +154,14 @@ def _float_in(low: float, high: float, *, low_open: bool = False):
   return parse
 
 
+def _directory(text: str) -> str:
+  """An argparse type: a path that is a directory or not there yet (checked
+  before training, rather than failing in Orbax after it)."""
+  if os.path.exists(text) and not os.path.isdir(text):
+    raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+  return text
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jax_cudnn_rnn.demo", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,7 +174,8 @@ def main(argv=None) -> int:
   parser.add_argument("--lr", type=_float_in(0.0, float("inf"), low_open=True), default=3e-3, help="Adam learning rate (default 3e-3)")
   parser.add_argument("--data-bytes", type=_int_at_least(MIN_CORPUS_BYTES), default=2_000_000, help="corpus size (default 2e6)")
   parser.add_argument("--sample-len", type=_int_at_least(0), default=300, help="sampled characters (default 300)")
-  parser.add_argument("--checkpoint-dir", default=None, help="where to save (default: a temp dir)")
+  parser.add_argument("--checkpoint-dir", type=_directory, default=None,
+                      help="where to save (default: a temp dir)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--quick", action="store_true", help="a few tiny steps (for tests)")
   args = parser.parse_args(argv)

@@ -35,6 +35,8 @@ def test_corpus_is_real_text():
     (["--lr", "-0.1"], r"argument --lr: must be in \(0, inf\), got -0.1"),
     (["--data-bytes", "100"], "argument --data-bytes: must be at least 10000, got 100"),
     (["--layers", "two"], "argument --layers: invalid int value: 'two'"),
+    # before training, not from Orbax after it
+    (["--checkpoint-dir", __file__], r"argument --checkpoint-dir: \S+ exists and is not a directory"),
 ])
 def test_bad_options_are_usage_errors(capsys, argv, message):
   with pytest.raises(SystemExit) as exit_info:
