@@ -455,6 +455,12 @@ def torch_rnn(shape: Shape, device: str):
 # -- the driver ------------------------------------------------------------------------
 
 
+# Every name `contenders` may give (which ones it gives depends on the shape and device).
+CONTENDER_NAMES = ("ours-xla", "flax-scan", "ours-cudnn", "ours-cudnn-time-major",
+                   "ours-cudnn-standard", "ours-cudnn-transposed", "jax.experimental.rnn",
+                   "torch")
+
+
 def contenders(shape: Shape, gpu: bool, have_torch: bool):
   out = {"ours-xla": lambda: ours(shape, "xla"), "flax-scan": lambda: flax_scan(shape)}
   if gpu:
@@ -826,6 +832,26 @@ def _write(out_dir: pathlib.Path, stem: str, record: dict, device: str) -> str:
   return table
 
 
+def _check_arguments(parser: argparse.ArgumentParser, args) -> None:
+  """Usage errors (argparse's exit 2) for what would otherwise fail or mislead in
+  the middle of a run: no repeats, an `--only` naming no contender (a run that
+  times nothing and writes an empty record), an output "directory" that is a file,
+  a machine name that is no file name."""
+  for name, least in (("repeats", 1), ("rounds", 1), ("warmup", 0), ("lead_in", 0)):
+    value = getattr(args, name)
+    if value is not None and value < least:
+      parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+  if args.only is not None:
+    unknown = sorted(set(args.only.split(",")) - set(CONTENDER_NAMES))
+    if unknown:
+      parser.error(f"--only names no contender {unknown}: choose from {', '.join(CONTENDER_NAMES)}")
+  if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+    parser.error(f"--out-dir {args.out_dir} exists and is not a directory")
+  if args.machine is not None and (not args.machine or os.sep in args.machine):
+    parser.error(f"--machine must be a name for the output files, without {os.sep!r}, "
+                 f"got {args.machine!r}")
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -860,6 +886,7 @@ def main(argv=None) -> int:
                       help="time nothing: draw the PNG of each run recorded in these JSON "
                            "files, beside each (for a run made without matplotlib)")
   args = parser.parse_args(argv)
+  _check_arguments(parser, args)
   if args.plot:
     return plot_records(args.plot)
   if args.cores is not None:

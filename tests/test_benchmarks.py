@@ -574,3 +574,29 @@ def test_sweep_times_its_own_shapes_and_says_so(tmp_path, monkeypatch):
   assert record["sweep"] is True
   assert {(r["shape"], r["impl"], r["phase"]) for r in record["results"]} == {
       (tiny.name, "ours-xla", "fwd"), (tiny.name, "ours-xla", "fwd+bwd")}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--repeats", "0"], r"--repeats must be at least 1, got 0"),  # was the default (`or`)
+    (["--repeats", "-1"], r"--repeats must be at least 1, got -1"),  # was an IndexError
+    (["--rounds", "0"], r"--rounds must be at least 1, got 0"),
+    (["--only", "ours-xla,flaxscan"], r"--only names no contender \['flaxscan'\]: choose from "
+                                      r"ours-xla, flax-scan,"),  # was a run timing nothing
+    (["--out-dir", __file__], r"--out-dir \S+ exists and is not a directory"),
+    (["--machine", "a/b"], r"--machine must be a name for the output files"),
+])
+def test_bad_arguments_are_usage_errors_before_anything_runs(capsys, argv, message):
+  run = load_benchmark("run")
+  with pytest.raises(SystemExit) as exit_info:
+    run.main(["--quick"] + argv)
+  assert exit_info.value.code == 2
+  assert re.search(message, capsys.readouterr().err)
+
+
+def test_contender_names_are_those_only_accepts():
+  run = load_benchmark("run")
+  given = set()
+  for gpu in (False, True):  # (the contenders are only named here: nothing runs)
+    for shape in run.grid(quick=False, gpu=gpu) + run.sweep():
+      given |= set(run.contenders(shape, gpu, have_torch=True))
+  assert given == set(run.CONTENDER_NAMES)
