@@ -299,6 +299,7 @@ def main(argv=None) -> int:
                       help="every contender's weights, inputs and states (files end in "
                            "-bfloat16 for bfloat16)")
   args = parser.parse_args(argv)
+  grid_run.check_arguments(parser, args)
   if args.sync_dispatch:
     dispatch_synchronously()
   repeats = args.repeats or (15 if args.quick else 41)

@@ -832,16 +832,18 @@ def _write(out_dir: pathlib.Path, stem: str, record: dict, device: str) -> str:
   return table
 
 
-def _check_arguments(parser: argparse.ArgumentParser, args) -> None:
+def check_arguments(parser: argparse.ArgumentParser, args) -> None:
   """Usage errors (argparse's exit 2) for what would otherwise fail or mislead in
-  the middle of a run: no repeats, an `--only` naming no contender (a run that
-  times nothing and writes an empty record), an output "directory" that is a file,
-  a machine name that is no file name."""
-  for name, least in (("repeats", 1), ("rounds", 1), ("warmup", 0), ("lead_in", 0)):
-    value = getattr(args, name)
+  the middle of a run: no repeats or steps, an `--only` naming no contender (a run
+  that times nothing and writes an empty record), an output "directory" that is a
+  file, a machine name that is no file name. Of the options `args` has (this
+  script's and decode.py's)."""
+  for name, least in (("repeats", 1), ("rounds", 1), ("steps", 1), ("warmup", 0),
+                      ("lead_in", 0)):
+    value = getattr(args, name, None)
     if value is not None and value < least:
       parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
-  if args.only is not None:
+  if getattr(args, "only", None) is not None:
     unknown = sorted(set(args.only.split(",")) - set(CONTENDER_NAMES))
     if unknown:
       parser.error(f"--only names no contender {unknown}: choose from {', '.join(CONTENDER_NAMES)}")
@@ -886,7 +888,7 @@ def main(argv=None) -> int:
                       help="time nothing: draw the PNG of each run recorded in these JSON "
                            "files, beside each (for a run made without matplotlib)")
   args = parser.parse_args(argv)
-  _check_arguments(parser, args)
+  check_arguments(parser, args)
   if args.plot:
     return plot_records(args.plot)
   if args.cores is not None:

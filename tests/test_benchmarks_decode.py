@@ -157,3 +157,16 @@ def test_contenders_decode_the_same_recurrence_shapes(dtype):
     for got, want in zip(jax.tree.leaves(calls["eager"]()), jax.tree.leaves(calls["step"]())):
       np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                  rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "0"], r"--steps must be at least 1, got 0"),  # was a ZeroDivisionError at the end
+    (["--repeats", "-1"], r"--repeats must be at least 1, got -1"),  # was an IndexError
+    (["--machine", "a/b"], r"--machine must be a name for the output files"),  # FileNotFoundError
+])
+def test_bad_arguments_are_usage_errors_before_anything_runs(capsys, argv, message):
+  decode = load_benchmark("decode")
+  with pytest.raises(SystemExit) as exit_info:
+    decode.main(["--quick"] + argv)
+  assert exit_info.value.code == 2
+  assert re.search(message, capsys.readouterr().err)
