@@ -118,6 +118,7 @@ def main(argv=None) -> int:
                       help="appended to the output file's name (e.g. for a run under other "
                            "XLA_FLAGS, which the report records)")
   args = parser.parse_args(argv)
+  grid_run.check_arguments(parser, args)
   gpu, have_torch, device_name, _, machine = grid_run.setting(args.machine)
   if not have_torch:
     print("profile_gpu.py needs PyTorch (its profiler records the kernels)", file=sys.stderr)

@@ -837,9 +837,9 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
   the middle of a run: no repeats or steps, an `--only` naming no contender (a run
   that times nothing and writes an empty record), an output "directory" that is a
   file, a machine name that is no file name. Of the options `args` has (this
-  script's and decode.py's)."""
-  for name, least in (("repeats", 1), ("rounds", 1), ("steps", 1), ("warmup", 0),
-                      ("lead_in", 0)):
+  script's, decode.py's and profile_gpu.py's)."""
+  for name, least in (("repeats", 1), ("rounds", 1), ("steps", 1), ("calls", 1), ("warmup", 0),
+                      ("lead_in", 0), ("top", 0)):
     value = getattr(args, name, None)
     if value is not None and value < least:
       parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")

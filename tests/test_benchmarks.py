@@ -593,6 +593,14 @@ def test_bad_arguments_are_usage_errors_before_anything_runs(capsys, argv, messa
   assert re.search(message, capsys.readouterr().err)
 
 
+def test_profile_gpu_checks_its_arguments_as_run_does(capsys):
+  profile = load_benchmark("profile_gpu")
+  with pytest.raises(SystemExit) as exit_info:
+    profile.main(["--calls", "0"])
+  assert exit_info.value.code == 2
+  assert "--calls must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_contender_names_are_those_only_accepts():
   run = load_benchmark("run")
   given = set()
