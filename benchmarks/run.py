@@ -846,7 +846,8 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
   if getattr(args, "only", None) is not None:
     unknown = sorted(set(args.only.split(",")) - set(CONTENDER_NAMES))
     if unknown:
-      parser.error(f"--only names no contender {unknown}: choose from {', '.join(CONTENDER_NAMES)}")
+      parser.error(f"--only names no contender {unknown}: choose from "
+                   f"{', '.join(CONTENDER_NAMES)}")
   if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
     parser.error(f"--out-dir {args.out_dir} exists and is not a directory")
   if args.machine is not None and (not args.machine or os.sep in args.machine):
