@@ -5,6 +5,7 @@ import ctypes
 import importlib.util
 import os
 import pathlib
+import re
 import sys
 
 import jax
@@ -180,3 +181,12 @@ def every_output_loss(impl, spec, lengths):
     total = jnp.sum(jnp.sin(y)) + jnp.sum(h_out ** 2)
     return total if c_out is None else total + jnp.sum(1.5 * c_out)
   return f
+
+
+def assert_usage_error(main, argv, message: str, capsys) -> None:
+  """`main(argv)` exits as argparse does on a usage error (status 2), its message
+  matching the regex `message`."""
+  with pytest.raises(SystemExit) as exit_info:
+    main(argv)
+  assert exit_info.value.code == 2
+  assert re.search(message, capsys.readouterr().err)

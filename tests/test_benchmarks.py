@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from handler_model import HandlerModel
-from helpers import has_torch, load_benchmark, on_a_cpu_host
+from helpers import assert_usage_error, has_torch, load_benchmark, on_a_cpu_host
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _cudnn
@@ -586,19 +586,12 @@ def test_sweep_times_its_own_shapes_and_says_so(tmp_path, monkeypatch):
     (["--machine", "a/b"], r"--machine must be a name for the output files"),
 ])
 def test_bad_arguments_are_usage_errors_before_anything_runs(capsys, argv, message):
-  run = load_benchmark("run")
-  with pytest.raises(SystemExit) as exit_info:
-    run.main(["--quick"] + argv)
-  assert exit_info.value.code == 2
-  assert re.search(message, capsys.readouterr().err)
+  assert_usage_error(load_benchmark("run").main, ["--quick"] + argv, message, capsys)
 
 
 def test_profile_gpu_checks_its_arguments_as_run_does(capsys):
-  profile = load_benchmark("profile_gpu")
-  with pytest.raises(SystemExit) as exit_info:
-    profile.main(["--calls", "0"])
-  assert exit_info.value.code == 2
-  assert "--calls must be at least 1, got 0" in capsys.readouterr().err
+  assert_usage_error(load_benchmark("profile_gpu").main, ["--calls", "0"],
+                     "--calls must be at least 1, got 0", capsys)
 
 
 def test_contender_names_are_those_only_accepts():

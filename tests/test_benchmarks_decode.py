@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from handler_model import HandlerModel
-from helpers import has_torch, load_benchmark, on_a_cpu_host
+from helpers import assert_usage_error, has_torch, load_benchmark, on_a_cpu_host
 
 
 @on_a_cpu_host
@@ -165,8 +165,4 @@ def test_contenders_decode_the_same_recurrence_shapes(dtype):
     (["--machine", "a/b"], r"--machine must be a name for the output files"),  # FileNotFoundError
 ])
 def test_bad_arguments_are_usage_errors_before_anything_runs(capsys, argv, message):
-  decode = load_benchmark("decode")
-  with pytest.raises(SystemExit) as exit_info:
-    decode.main(["--quick"] + argv)
-  assert exit_info.value.code == 2
-  assert re.search(message, capsys.readouterr().err)
+  assert_usage_error(load_benchmark("decode").main, ["--quick"] + argv, message, capsys)

@@ -5,6 +5,7 @@ import re
 import pytest
 
 from jax_cudnn_rnn import _cudnn, demo
+from helpers import assert_usage_error
 
 
 def test_demo_quick_mode(capsys, tmp_path):
@@ -39,7 +40,4 @@ def test_corpus_is_real_text():
     (["--checkpoint-dir", __file__], r"argument --checkpoint-dir: \S+ exists and is not a directory"),
 ])
 def test_bad_options_are_usage_errors(capsys, argv, message):
-  with pytest.raises(SystemExit) as exit_info:
-    demo.main(argv)
-  assert exit_info.value.code == 2
-  assert re.search(message, capsys.readouterr().err)
+  assert_usage_error(demo.main, argv, message, capsys)
