@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 import jax_cudnn_rnn as jcr
 from jax_cudnn_rnn import _dropout, _ops, _params, _spec
@@ -20,12 +19,6 @@ def simple_rnn_mode(activation: str) -> str:
   return f"rnn_{activation}"
 
 
-def check_bool(name: str, value) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a bool, got {value!r}")
-  return bool(value)
-
-
 def make_spec(rnn_mode: str, *, features: int, num_layers: int, input_size: int,
               input_mode: str, bidirectional: bool, dtype: Any, dropout_rate: float,
               input_name: str, dtype_name: str = "param_dtype"):
@@ -36,7 +29,7 @@ def make_spec(rnn_mode: str, *, features: int, num_layers: int, input_size: int,
   _spec.check_positive_int("features", features)
   _spec.check_positive_int("num_layers", num_layers)
   _dropout.check_rate("dropout_rate", dropout_rate)
-  check_bool("bidirectional", bidirectional)
+  _spec.check_bool("bidirectional", bidirectional)
   _spec.check_dtype(dtype, dtype_name)
   _spec.check_positive_int(input_name, input_size)
   if input_mode == "skip_input" and input_size != features:

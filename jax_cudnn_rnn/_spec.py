@@ -52,6 +52,12 @@ def check_positive_int(name: str, value: Any) -> int:
   return int(value)
 
 
+def check_bool(name: str, value: Any) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+  return bool(value)
+
+
 def check_dtype(value: Any, name: str = "dtype") -> np.dtype:
   """`value` as one of `SUPPORTED_DTYPES`, or a `TypeError` naming `name`."""
   try:

@@ -139,8 +139,7 @@ def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
   """Keys and values of `torch.nn.LSTM/GRU/RNN(..., bias=True)` with the same config:
   numpy arrays, or with `as_tensors` torch tensors of the spec's dtype (a
   bfloat16 spec's are `torch.bfloat16`, as `module.to(torch.bfloat16)` holds)."""
-  if not isinstance(as_tensors, (bool, np.bool_)):
-    raise TypeError(f"as_tensors must be a bool, got {as_tensors!r}")
+  _spec.check_bool("as_tensors", as_tensors)
   out = {}
   for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
     W = _identity_inputs(spec) if W is None else W

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _adapter
+from jax_cudnn_rnn import _adapter, _spec
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 
@@ -78,7 +78,7 @@ class _FusedRNN(nn.Module):
     inputs = _adapter.as_inputs(inputs, self.time_major)
     input_size = inputs.shape[-1]
     param_spec = self.spec(input_size)  # checks the attributes it is made of
-    _adapter.check_bool("return_carry", self.return_carry)
+    _spec.check_bool("return_carry", self.return_carry)
     if param_spec.dropout > 0 and param_spec.num_layers > 1:
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
     else:  # nothing to drop: no need to say

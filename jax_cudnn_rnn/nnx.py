@@ -41,7 +41,7 @@ class _FusedRNN(nnx.Module):
         dropout_rate=dropout_rate, input_name="in_features")
     if dtype is not None:
       _spec.check_dtype(dtype)
-    _adapter.check_bool("return_carry", return_carry)
+    _spec.check_bool("return_carry", return_carry)
     self.opaque_params = nnx.Param(
         _adapter.init_params(self.spec, rngs.params(), kernel_init, bias_init))
     self.time_major, self.return_carry = time_major, return_carry
