@@ -120,14 +120,14 @@ def _known_values(value):
 def _check_seq_lengths(seq_lengths, batch, steps):
   if seq_lengths is None:
     return None
-  values = seq_lengths
+  given = seq_lengths
   seq_lengths = _as_array("seq_lengths", seq_lengths)
   if seq_lengths.shape != (batch,):
     raise ValueError(f"seq_lengths must have shape ({batch},) (batch,), "
                      f"got {tuple(seq_lengths.shape)}")
   if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
     raise TypeError(f"seq_lengths must have an integer dtype, got {seq_lengths.dtype}")
-  values = _known_values(values)
+  values = _known_values(given)
   if values is not None:
     bad = np.flatnonzero((values < 0) | (values > steps))
     if bad.size:
