@@ -48,6 +48,7 @@ import json
 import os
 import shutil
 import zipfile
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,9 @@ def to_canonical_tree(spec, params) -> dict:
 @_spec.takes_spec
 def from_canonical_tree(spec, tree) -> jax.Array:
   """Inverse of `to_canonical_tree`: an opaque buffer of `spec.dtype`."""
+  if not isinstance(tree, Mapping):
+    raise TypeError(f"tree must be a canonical tree, a dict of layers (to_canonical_tree's), "
+                    f"got {type(tree).__name__}")
   w_names, b_names = _names(spec)
   w_entries, b_entries = _layout.tensors(spec)
 
@@ -234,6 +238,15 @@ def _check_savable_params(spec, params) -> None:
   _params._check_params(spec, params)
 
 
+def _check_restore_dtype(spec, dtype) -> None:
+  """`dtype` (None: the spec's) as a spec takes it, and one JAX can make here:
+  checked before any file is read."""
+  target = spec if dtype is None else dataclasses.replace(spec, dtype=_spec.check_dtype(dtype))
+  if target.dtype == np.float64 and not jax.config.jax_enable_x64:
+    raise TypeError(f"dtype: restoring into float64 needs x64 ({_params.X64_HINT}); "
+                    "or pass dtype=jnp.float32 to restore as float32")
+
+
 def _check_sharding(sharding) -> None:
   if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
     raise TypeError("sharding: expected a jax.sharding.Sharding or None, got "
@@ -301,6 +314,7 @@ class RNNParamsRestore(ocp.args.CheckpointArgs):
 
   def __post_init__(self):
     _spec.check_spec(self.spec, type(self).__name__)
+    _check_restore_dtype(self.spec, self.dtype)
     _check_sharding(self.sharding)
 
 

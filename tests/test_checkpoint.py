@@ -3,6 +3,7 @@
 import gc
 import json
 import os
+import types
 import warnings
 
 import jax
@@ -39,6 +40,14 @@ def test_canonical_tree_names_and_round_trip():
   with pytest.raises(ValueError, match=r"^canonical tree's layer_1/backward/R_f must have shape "
                                        r"\(3, 3\), got \(3, 4\)$"):
     ck.from_canonical_tree(spec, tree)
+  # Not a tree at all: said so, rather than that its first leaf is missing.
+  for tree, got in ((None, "NoneType"), ([tree["layer_0"]], "list"), (params, "ArrayImpl")):
+    with pytest.raises(TypeError, match=r"^tree must be a canonical tree, a dict of layers "
+                                        rf"\(to_canonical_tree's\), got {got}$"):
+      ck.from_canonical_tree(spec, tree)
+  # Any mapping will do (a Flax FrozenDict, say), not only a dict.
+  read_only = types.MappingProxyType(ck.to_canonical_tree(spec, params))
+  np.testing.assert_array_equal(ck.from_canonical_tree(spec, read_only), params)
 
 
 def test_gru_and_rnn_gate_names():
@@ -70,6 +79,32 @@ def test_restore_into_another_dtype_casts(tmp_path):
   np.testing.assert_allclose(restored, params.astype(jnp.float32))
   as_bf16 = ck.restore(tmp_path / "c", spec, dtype=jnp.bfloat16)
   assert as_bf16.dtype == jnp.bfloat16
+
+
+def test_restore_checks_its_dtype_before_reading(tmp_path):
+  """`dtype` is checked where the arguments are made, as the spec checks its
+  own: a missing directory is not what is reported, nothing is read."""
+  spec = jcr.CudnnGRU(1, 4, 3)
+  message = r"dtype must be one of \['float16', 'bfloat16', 'float32', 'float64'\], got "
+  for dtype, got in (("foo", "'foo'"), (jnp.int32, "int32"), (np.complex64, "complex64"),
+                     (3, "3")):
+    for call in (lambda: ck.restore(tmp_path / "missing", spec, dtype),
+                 lambda: ck.RNNParamsRestore(spec, dtype)):
+      with pytest.raises(TypeError, match=message + got):
+        call()
+  # float64 only where JAX makes it: said for the dtype asked for, or the spec's.
+  ck.save(tmp_path / "c", spec, spec.init_params(jax.random.key(0)))
+  spec64 = jcr.CudnnGRU(1, 4, 3, dtype=jnp.float64)
+  with jax.enable_x64(False):
+    for call in (lambda: ck.restore(tmp_path / "c", spec, jnp.float64),
+                 lambda: ck.restore(tmp_path / "c", spec64),
+                 lambda: ck.RNNParamsRestore(spec, np.float64)):
+      with pytest.raises(TypeError, match=r"dtype: restoring into float64 needs x64 \(JAX makes "
+                         r"float64 arrays only with jax.config.update\('jax_enable_x64', True\)\)"):
+        call()
+    restored = ck.restore(tmp_path / "c", spec64, jnp.float32)
+  assert restored.dtype == jnp.float32
+  np.testing.assert_array_equal(restored, ck.restore(tmp_path / "c", spec))
 
 
 def test_restore_into_different_spec_names_each_field(tmp_path):
