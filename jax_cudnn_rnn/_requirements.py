@@ -16,11 +16,19 @@ in op dot" (a one-layer bfloat16 GRU of batch 2 and 4 units, for one; jax
 but an install with `--no-deps`, or a JAX downgraded afterwards, would reach
 those errors from deep inside JAX at the first `jax.grad`; this check says what
 is wrong at import instead.
+
+The optional dependencies (Flax for the adapters and the Flax converters,
+optax for the demo, torch for tensors from `interop.to_torch_state_dict`) are
+imported through `optional_import`, so that a missing one says which part of
+the package needs it and what to install, rather than only "No module named
+'flax'" (`pip install jax-cudnn-rnn` installs none of them).
 """
 
 from __future__ import annotations
 
+import importlib
 import re
+from types import ModuleType
 
 import jax
 
@@ -45,3 +53,26 @@ def check_jax(version: str | None = None) -> None:
         f"jax_cudnn_rnn needs jax >= {minimum}, but jax {version} is installed: older JAX "
         f"cannot differentiate its RNNs (before 0.10) or compile some of their gradients "
         f"(0.10.0). Upgrade with `pip install -U 'jax>={minimum}'`.")
+
+
+# How to install each optional dependency, by its top-level module.
+OPTIONAL = {
+    "flax": "pip install 'jax-cudnn-rnn[flax]'",
+    "optax": "pip install optax",
+    "torch": "pip install torch",
+}
+
+
+def optional_import(module: str, needed_by: str) -> ModuleType:
+  """Imports `module` of an optional dependency (`OPTIONAL`). Where that
+  dependency is not installed, raises a `ModuleNotFoundError` saying that
+  `needed_by` needs it and how to install it; any other import error (a
+  dependency of the dependency missing, say) is raised as it is."""
+  top = module.split(".")[0]
+  try:
+    return importlib.import_module(module)
+  except ModuleNotFoundError as e:
+    if top not in OPTIONAL or (e.name or "").split(".")[0] != top:
+      raise
+    raise ModuleNotFoundError(f"{needed_by} needs {top}, which is not installed: "
+                              f"{OPTIONAL[top]}", name=e.name) from None

@@ -24,11 +24,14 @@ import time
 import numpy as np
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
-import optax
 import orbax.checkpoint as ocp
 
-from jax_cudnn_rnn import _cudnn, checkpoint, interop, linen
+from jax_cudnn_rnn import _requirements
+
+nn = _requirements.optional_import("flax.linen", "the demo (jax_cudnn_rnn.demo)")
+optax = _requirements.optional_import("optax", "the demo (jax_cudnn_rnn.demo)")
+
+from jax_cudnn_rnn import _cudnn, checkpoint, interop, linen  # noqa: E402  (linen needs Flax)
 
 VOCAB = 256  # bytes
 MIN_CORPUS_BYTES = 10_000

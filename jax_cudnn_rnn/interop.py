@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cudnn_rnn import _layout, _params, _spec
+from jax_cudnn_rnn import _layout, _params, _requirements, _spec
 
 
 def _np(where: str, a) -> np.ndarray:
@@ -145,7 +145,7 @@ def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
     W = _identity_inputs(spec) if W is None else W
     out.update(zip(_torch_keys(layer, d), map(np.concatenate, (W, R, bW, bR))))
   if as_tensors:
-    import torch
+    torch = _requirements.optional_import("torch", "interop.to_torch_state_dict(as_tensors=True)")
     dtype = getattr(torch, spec.dtype.name)  # the four spec dtypes have torch's names
     # torch.from_numpy takes no bfloat16 array: through float32, exactly.
     out = {k: torch.from_numpy(np.ascontiguousarray(v, np.float32 if v.dtype.itemsize < 4
@@ -197,8 +197,7 @@ _LSTM_GATES = "ifgo"
 @_spec.takes_spec
 def flax_linen_cell(spec, cell: str = "LSTMCell"):
   """The Flax linen cell module matching `spec` (one per layer and direction)."""
-  import flax.linen as nn
-  import jax
+  nn = _requirements.optional_import("flax.linen", "interop.flax_linen_cell")
   H = spec.num_units
   if spec.rnn_mode == "lstm":
     if cell not in ("LSTMCell", "OptimizedLSTMCell"):
@@ -291,7 +290,7 @@ def _nnx_cell_kind(spec, cell: str) -> str:
 @_spec.takes_spec
 def flax_nnx_cell(spec, layer: int, cell: str | None = None, *, rngs=None):
   """A Flax nnx cell module for `layer` of `spec` (its weights freshly initialised)."""
-  from flax import nnx
+  nnx = _requirements.optional_import("flax.nnx", "interop.flax_nnx_cell")
   kind = _nnx_cell_kind(spec, cell)
   rngs = nnx.Rngs(0) if rngs is None else rngs
   if not isinstance(rngs, nnx.Rngs):
@@ -367,7 +366,7 @@ def to_flax_nnx_cells(spec, params, cell: str | None = None) -> list[list[Any]]:
   RNNs give `nnx.SimpleCell` with the matching activation. Run them with
   `nnx.RNN(cell)` (the backward direction with `reverse=True, keep_order=True`).
   """
-  from flax import nnx
+  nnx = _requirements.optional_import("flax.nnx", "interop.to_flax_nnx_cells")
   kind = _nnx_cell_kind(spec, cell)
   out = [[None] * spec.num_dirs for _ in range(spec.num_layers)]
   for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
@@ -385,7 +384,7 @@ def to_flax_nnx_cells(spec, params, cell: str | None = None) -> list[list[Any]]:
 def from_flax_nnx_cells(spec, cells: Sequence[Sequence[Any]]):
   """An opaque buffer from Flax nnx cells `[layer][direction]`: modules, or their
   `nnx.to_pure_dict(nnx.state(cell, nnx.Param))` trees."""
-  from flax import nnx
+  nnx = _requirements.optional_import("flax.nnx", "interop.from_flax_nnx_cells")
   cells = _grid("cells", cells, spec)
   g = spec.num_gates
   per = {}

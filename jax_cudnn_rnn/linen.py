@@ -19,12 +19,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, ClassVar, Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _adapter, _spec
+from jax_cudnn_rnn import _adapter, _requirements, _spec
+
+nn = _requirements.optional_import("flax.linen", "jax_cudnn_rnn.linen")
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 

@@ -16,9 +16,10 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from jax_cudnn_rnn import _adapter, _spec
+from jax_cudnn_rnn import _adapter, _requirements, _spec
+
+nnx = _requirements.optional_import("flax.nnx", "jax_cudnn_rnn.nnx")
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 
