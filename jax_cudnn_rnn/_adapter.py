@@ -43,8 +43,8 @@ def make_spec(rnn_mode: str, *, features: int, num_layers: int, input_size: int,
 
 def _real_array(name: str, value, dtype=None):
   """`value` as an array, cast to `dtype` when given, as Flax's modules cast
-  what they are given; but only from a real dtype (`_params.check_real`)."""
-  array = _params.check_real(name, _ops._as_array(name, value, dtype))
+  what they are given; but only from a real dtype (`_params.as_array`'s `real`)."""
+  array = _ops._as_array(name, value, dtype, real=True)
   return array if dtype is None else array.astype(dtype)
 
 

@@ -60,17 +60,21 @@ def one_step_on_xla(spec, steps) -> bool:
           and _layout.params_size(spec) <= ONE_STEP_XLA_MAX_ELEMENTS)
 
 
-def _as_array(name: str, value, dtype=None) -> jax.Array:
+def _as_array(name: str, value, dtype=None, *, real: bool = False) -> jax.Array:
   """`value` as an array. An array keeps its dtype (the caller checks it); a
   nested list or a Python number has none of its own, so it takes `dtype`
   when given (the spec's: without it, a list would be float64 under x64, or
-  float32 for a bfloat16 model, and refused)."""
+  float32 for a bfloat16 model, and refused). `real`: as `_params.as_array`'s."""
   if isinstance(value, jax.Array):  # tracers too; jnp.asarray would take 20-30 us to return it
-    return value
+    return _params.check_real(name, value) if real else value
+  if (not real and isinstance(value, np.ndarray)
+      and not _params.has_real_dtype(value)):  # (an object array cannot even be converted)
+    return value  # refused by the caller's dtype check, in its terms
   own_dtype = isinstance(value, np.ndarray) or hasattr(value, "__jax_array__")
   if not own_dtype and not isinstance(value, (list, tuple, int, float)):
     raise TypeError(f"{name} must be an array, got {type(value).__name__}")
-  return _params.as_array(name, value, lambda v: jnp.asarray(v, None if own_dtype else dtype))
+  return _params.as_array(name, value, lambda v: jnp.asarray(v, None if own_dtype else dtype),
+                          real=real)
 
 
 def _check_dtype(name: str, array: jax.Array, dtype: np.dtype) -> None:

@@ -18,14 +18,27 @@ from jax_cudnn_rnn import _layout
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 
-def as_array(where: str, value, convert=jnp.asarray):
+def as_array(where: str, value, convert=jnp.asarray, *, real: bool = False):
   """`convert(value)`, or a `TypeError` naming `where` where that fails (a
-  ragged list, or one of strings or other objects, an object array)."""
+  ragged list, or one of strings or other objects, an object array).
+
+  `real`: the result must also have a real dtype (`check_real`); an array
+  given is checked before it is converted, so that an object or key array is
+  said to have the wrong dtype, as a complex one is, whichever conversion
+  would have failed on it (jnp's, numpy's) and however."""
+  if real and isinstance(value, (np.ndarray, jax.Array)):
+    check_real(where, value)
   try:
-    return convert(value)
+    array = convert(value)
   except (TypeError, ValueError) as e:
     raise TypeError(f"{where} must be an array or a nested list of real numbers of one "
                     f"shape; converting the {type(value).__name__} failed: {e}") from e
+  return check_real(where, array) if real else array
+
+
+def has_real_dtype(array) -> bool:
+  """Whether `array`'s dtype is float, integer or bool."""
+  return any(jnp.issubdtype(array.dtype, kind) for kind in (jnp.floating, jnp.integer, jnp.bool_))
 
 
 def check_real(where: str, array):
@@ -33,7 +46,7 @@ def check_real(where: str, array):
   integer or bool): cast to a float, a complex array would lose its imaginary
   part and an object array would become NaN, silently; a key array holds no
   numbers."""
-  if not any(jnp.issubdtype(array.dtype, kind) for kind in (jnp.floating, jnp.integer, jnp.bool_)):
+  if not has_real_dtype(array):
     raise TypeError(f"{where} must have a float, integer or bool dtype, got {array.dtype}")
   return array
 
@@ -123,7 +136,7 @@ def _draw(name: str, init, keys, entries, dtype) -> list:
                     f"jax.nn.initializers makes, got {type(init).__name__}")
   out = []
   for k, t in zip(keys, entries):
-    value = check_real(f"{name}'s result", as_array(f"{name}'s result", init(k, t.shape, dtype)))
+    value = as_array(f"{name}'s result", init(k, t.shape, dtype), real=True)
     if tuple(np.shape(value)) != t.shape:
       raise ValueError(f"{name} returned shape {tuple(np.shape(value))} when asked for {t.shape}")
     out.append(value)
@@ -143,7 +156,7 @@ def _check_canonical(name: str, arrays: Sequence, entries) -> list[jax.Array]:
 
 def canonical_entry(where: str, value, shape: tuple[int, ...]) -> jax.Array:
   """`value` as an array of a real dtype and `shape`, or an error naming `where`."""
-  array = check_real(where, as_array(where, value))
+  array = as_array(where, value, real=True)
   if array.shape != shape:
     raise ValueError(f"{where} must have shape {shape}, got {array.shape}")
   return array

@@ -56,13 +56,13 @@ from jax_cudnn_rnn import _layout, _params, _requirements, _spec
 
 def _np(where: str, a) -> np.ndarray:
   """`a` (an array, a torch tensor or a nested list) as numpy, or an error
-  naming `where` unless it holds real numbers (`_params.check_real`)."""
+  naming `where` unless it holds real numbers (`_params.as_array`'s `real`)."""
   if hasattr(a, "detach"):  # torch tensor
     a = a.detach().cpu()
     if a.is_floating_point() and a.element_size() < 4:
       a = a.float()  # exact; numpy has no bfloat16 (or float8) for .numpy() to make
     a = a.numpy()
-  return _params.check_real(where, _params.as_array(where, a, np.asarray))
+  return _params.as_array(where, a, np.asarray, real=True)
 
 
 def _shaped(where: str, value, shape: tuple, context: str) -> np.ndarray:

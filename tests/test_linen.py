@@ -221,8 +221,8 @@ def test_inputs_and_carry_of_no_real_dtype_name_the_argument():
                                         r"bool dtype, got complex64"):
       apply(variables, x, (h.astype(np.complex64), h))
     if apply is m.apply:  # (jit's own arguments cannot be object arrays)
-      with pytest.raises(TypeError, match=r"^initial_carry\[1\] \(c\) must be an array or a "
-                                          r"nested list of real numbers"):
+      with pytest.raises(TypeError, match=r"^initial_carry\[1\] \(c\) must have a float, integer "
+                                          r"or bool dtype, got object$"):
         apply(variables, x, (h, np.full(h.shape, None)))
     with pytest.raises(TypeError, match=r"^inputs must have a float, integer or bool dtype, got "
                                         r"key<fry>"):

@@ -37,9 +37,11 @@ def _nnx_pure_dict(cell):
 
 def _odd(shape):
   size = int(np.prod(shape))
-  yield "complex", np.full(shape, 1j, np.complex64), "must have a float, integer or bool dtype"
-  yield "object array", np.full(shape, None), ""
-  yield "PRNG keys", jax.random.split(jax.random.key(0), size).reshape(shape), ""
+  # Said alike by every converter, whichever conversion (jnp's, numpy's) would have failed.
+  real = "must have a float, integer or bool dtype, got "
+  yield "complex", np.full(shape, 1j, np.complex64), real + "complex64$"
+  yield "object array", np.full(shape, None), real + "object$"
+  yield "PRNG keys", jax.random.split(jax.random.key(0), size).reshape(shape), real + "key<fry>$"
   yield "ragged list", [[0.0], [0.0, 1.0]], "must be an array or a nested list of real numbers"
 
 

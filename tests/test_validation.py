@@ -42,8 +42,10 @@ def _lstm(**over):
     (dict(params=jax.random.split(jax.random.key(0), LSTM.params_size())), TypeError,
      r"^params must have dtype float32, got key<fry>$"),
     (dict(input_data=np.full((5, 2, 3), None)), TypeError,
-     r"^input_data must be an array or a nested list of real numbers of one shape; converting "
-     r"the ndarray failed"),
+     r"^input_data must have dtype float32 \(the spec's dtype\), got object$"),
+    (dict(input_c=np.full((4, 2, 4), None)), TypeError,
+     r"^input_c must have dtype float32 \(the spec's dtype\), got object$"),
+    (dict(seq_lengths=np.full(2, None)), TypeError, r"^seq_lengths must have an integer dtype, got object$"),
     (dict(seq_lengths=[[5], [5]]), ValueError, r"seq_lengths must have shape \(2,\)"),
     (dict(seq_lengths=jnp.ones((3,), jnp.int32)), ValueError, r"seq_lengths must have shape \(2,\)"),
     (dict(seq_lengths=jnp.ones((2,), jnp.float32)), TypeError, "seq_lengths must have an integer dtype, got float32"),
