@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import math
 import os
 import pathlib
 import platform
@@ -834,15 +835,19 @@ def _write(out_dir: pathlib.Path, stem: str, record: dict, device: str) -> str:
 
 def check_arguments(parser: argparse.ArgumentParser, args) -> None:
   """Usage errors (argparse's exit 2) for what would otherwise fail or mislead in
-  the middle of a run: no repeats or steps, an `--only` naming no contender (a run
-  that times nothing and writes an empty record), an output "directory" that is a
-  file, a machine name that is no file name. Of the options `args` has (this
-  script's, decode.py's and profile_gpu.py's)."""
+  the middle of a run: no repeats or steps, a lead-in of no finite time, an
+  `--only` naming no contender (a run that times nothing and writes an empty
+  record), an output "directory" that is a file, a machine name that is no file
+  name. Of the options `args` has (this script's, decode.py's and profile_gpu.py's)."""
   for name, least in (("repeats", 1), ("rounds", 1), ("steps", 1), ("calls", 1), ("warmup", 0),
                       ("lead_in", 0), ("top", 0)):
     value = getattr(args, name, None)
     if value is not None and value < least:
       parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+  lead_in_ms = getattr(args, "lead_in_ms", None)
+  if lead_in_ms is not None and not 0 <= lead_in_ms < math.inf:  # inf: a round never ended
+    parser.error(f"--lead-in-ms must be a finite number of milliseconds, at least 0, "
+                 f"got {lead_in_ms:g}")
   if getattr(args, "only", None) is not None:
     unknown = sorted(set(args.only.split(",")) - set(CONTENDER_NAMES))
     if unknown:

@@ -134,22 +134,25 @@ def make_steps(model: CharLM, optimizer):
   return train_step, eval_loss
 
 
-def _int_at_least(minimum: int):
-  """An argparse type: an int no smaller than `minimum`."""
+def _int_at_least(minimum: int, below: int | None = None):
+  """An argparse type: an int no smaller than `minimum` (and smaller than
+  `below`, where given)."""
   def parse(text: str) -> int:
     value = int(text)
-    if value < minimum:
-      raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+    if value < minimum or (below is not None and value >= below):
+      bound = "" if below is None else f" and below {below}"
+      raise argparse.ArgumentTypeError(f"must be at least {minimum}{bound}, got {value}")
     return value
   parse.__name__ = "int"  # argparse names the type in "invalid int value"
   return parse
 
 
 def _float_in(low: float, high: float, *, low_open: bool = False):
-  """An argparse type: a float in `[low, high)`, or `(low, high)` when `low_open`."""
+  """An argparse type: a float in `[low, high)`, or `(low, high)` when `low_open`
+  (not NaN: a NaN learning rate trained to a NaN loss without a word)."""
   def parse(text: str) -> float:
     value = float(text)
-    if value < low or value >= high or (low_open and value == low):
+    if not low <= value < high or (low_open and value == low):
       raise argparse.ArgumentTypeError(
           f"must be in {'(' if low_open else '['}{low:g}, {high:g}), got {value:g}")
     return value
@@ -179,7 +182,8 @@ def main(argv=None) -> int:
   parser.add_argument("--sample-len", type=_int_at_least(0), default=300, help="sampled characters (default 300)")
   parser.add_argument("--checkpoint-dir", type=_directory, default=None,
                       help="where to save (default: a temp dir)")
-  parser.add_argument("--seed", type=int, default=0)
+  # numpy's generator takes no negative seed, and JAX's key no seed past 64 bits
+  parser.add_argument("--seed", type=_int_at_least(0, below=2**32), default=0)
   parser.add_argument("--quick", action="store_true", help="a few tiny steps (for tests)")
   args = parser.parse_args(argv)
   if args.quick:  # small settings, except those given explicitly

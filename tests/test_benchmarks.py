@@ -580,6 +580,10 @@ def test_sweep_times_its_own_shapes_and_says_so(tmp_path, monkeypatch):
     (["--repeats", "0"], r"--repeats must be at least 1, got 0"),  # was the default (`or`)
     (["--repeats", "-1"], r"--repeats must be at least 1, got -1"),  # was an IndexError
     (["--rounds", "0"], r"--rounds must be at least 1, got 0"),
+    (["--lead-in-ms", "inf"], r"--lead-in-ms must be a finite number of milliseconds, at least "
+                              r"0, got inf"),  # was a round that never ended
+    (["--lead-in-ms", "-1"], r"--lead-in-ms must be .*, got -1"),
+    (["--lead-in-ms", "nan"], r"--lead-in-ms must be .*, got nan"),
     (["--only", "ours-xla,flaxscan"], r"--only names no contender \['flaxscan'\]: choose from "
                                       r"ours-xla, flax-scan,"),  # was a run timing nothing
     (["--out-dir", __file__], r"--out-dir \S+ exists and is not a directory"),

@@ -34,6 +34,12 @@ def test_corpus_is_real_text():
     (["--batch", "0"], "argument --batch: must be at least 1, got 0"),
     (["--dropout", "1"], r"argument --dropout: must be in \[0, 1\), got 1"),
     (["--lr", "-0.1"], r"argument --lr: must be in \(0, inf\), got -0.1"),
+    # NaN compares false with every bound: it trained to a NaN loss, silently
+    (["--lr", "nan"], r"argument --lr: must be in \(0, inf\), got nan"),
+    (["--dropout", "nan"], r"argument --dropout: must be in \[0, 1\), got nan"),
+    # were a ValueError (numpy) and an OverflowError (JAX) once the corpus was read
+    (["--seed", "-1"], r"argument --seed: must be at least 0 and below 4294967296, got -1"),
+    (["--seed", str(2**70)], r"argument --seed: must be at least 0 and below 4294967296, got"),
     (["--data-bytes", "100"], "argument --data-bytes: must be at least 10000, got 100"),
     (["--layers", "two"], "argument --layers: invalid int value: 'two'"),
     # before training, not from Orbax after it
