@@ -35,13 +35,17 @@ import run as grid_run  # noqa: E402
 
 
 def parse_shape(text: str) -> grid_run.Shape:
-  """`mode,batch,seq_len,input_size,hidden,layers,uni|bi,dtype`."""
+  """`mode,batch,seq_len,input_size,hidden,layers,uni|bi,dtype`: checked here,
+  before a lent GPU's minutes go to a run that would fail on it."""
   fields = text.split(",")
-  if len(fields) != 8 or fields[6] not in ("uni", "bi") or fields[0] not in ("lstm", "gru"):
+  sizes = fields[1:6]
+  if (len(fields) != 8 or fields[0] not in ("lstm", "gru") or fields[6] not in ("uni", "bi")
+      or fields[7] not in ("float32", "bfloat16")
+      or not all(v.isdigit() and int(v) > 0 for v in sizes)):
     raise argparse.ArgumentTypeError(
-        f"--shape: expected mode,batch,seq_len,input_size,hidden,layers,uni|bi,dtype "
-        f"(mode lstm or gru), got {text!r}")
-  mode, *sizes, direction, dtype = fields
+        f"expected mode,batch,seq_len,input_size,hidden,layers,uni|bi,dtype (mode lstm or "
+        f"gru, sizes positive integers, dtype float32 or bfloat16), got {text!r}")
+  mode, *_, direction, dtype = fields
   return grid_run.Shape(mode, *(int(v) for v in sizes), direction == "bi", dtype)
 
 

@@ -858,6 +858,8 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
   if args.machine is not None and (not args.machine or os.sep in args.machine):
     parser.error(f"--machine must be a name for the output files, without {os.sep!r}, "
                  f"got {args.machine!r}")
+  if os.sep in getattr(args, "tag", ""):  # profile_gpu.py's, which ends its file's name
+    parser.error(f"--tag must be part of a file name, without {os.sep!r}, got {args.tag!r}")
 
 
 def main(argv=None) -> int:

@@ -593,9 +593,18 @@ def test_bad_arguments_are_usage_errors_before_anything_runs(capsys, argv, messa
   assert_usage_error(load_benchmark("run").main, ["--quick"] + argv, message, capsys)
 
 
-def test_profile_gpu_checks_its_arguments_as_run_does(capsys):
-  assert_usage_error(load_benchmark("profile_gpu").main, ["--calls", "0"],
-                     "--calls must be at least 1, got 0", capsys)
+@pytest.mark.parametrize("argv,message", [
+    (["--calls", "0"], "--calls must be at least 1, got 0"),
+    # each of these failed on the GPU machine, after its start, or after the profiling
+    (["--tag", "a/b"], r"--tag must be part of a file name, without '/', got 'a/b'"),
+    (["--shape", "lstm,8,32,64,128,1,uni,float16"], r"argument --shape: expected mode,batch,"
+     r".*dtype float32 or bfloat16\), got 'lstm,8,32,64,128,1,uni,float16'"),
+    (["--shape", "gru,0,32,64,128,1,bi,float32"], r"argument --shape: .*sizes positive integers"),
+    (["--shape", "gru,8,32,64,1.5,1,bi,float32"], r"argument --shape: .*sizes positive integers"),
+    (["--shape", "rnn,8,32,64,128,1,bi,float32"], r"argument --shape: .*mode lstm or gru"),
+])
+def test_profile_gpu_checks_its_arguments_as_run_does(capsys, argv, message):
+  assert_usage_error(load_benchmark("profile_gpu").main, argv, message, capsys)
 
 
 def test_contender_names_are_those_only_accepts():
