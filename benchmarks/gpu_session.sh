@@ -39,13 +39,29 @@
 # build stays between calls while the machine is warm, so a session can run,
 # for example: `build gpu-checks demo gpu-sweep bench-quick`, then `bench-full`.
 set -uo pipefail
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(build gpu-tests)
+# Checked before anything runs: a typo found when its turn came used to end a
+# call after the stages before it had spent the device's minutes.
+known=(build gpu-checks gpu-sweep gpu-tests demo suite bench-quick bench-full bench-sweep
+       bench-decode bench-decode-large profile profile-leads fuzz-cudnn)
+for stage in "${stages[@]}"; do
+  if [[ " ${known[*]} " != *" $stage "* ]]; then
+    echo "unknown stage '$stage' (stages: ${known[*]}); nothing was run" >&2
+    exit 2
+  fi
+done
+for var in BUDGET WORKERS TEST_TIMEOUT SWEEP_S FUZZ_S FUZZ_SEED; do
+  if [ -n "${!var:-}" ] && [[ ! "${!var}" =~ ^[0-9]+$ ]]; then
+    echo "$var must be a whole number, got '${!var}'; nothing was run" >&2
+    exit 2
+  fi
+done
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
 stamp=$(date +%Y-%m-%d)
 budget="${BUDGET:-570}"
 started=$(date +%s)
-stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(build gpu-tests)
 
 versions() {
   {
@@ -144,8 +160,8 @@ for stage in "${stages[@]}"; do
       run_stage fuzz-cudnn bash -c "set -o pipefail; python3 tests/fuzz_against_reference.py --implementation cudnn \
         --seed ${FUZZ_SEED:-0} --cases 10000 --budget-s \$((STAGE_LEFT - 45 < ${FUZZ_S:-120} ? STAGE_LEFT - 45 : ${FUZZ_S:-120})) 2>&1 \
         | tee '$out/fuzz-cudnn-$stamp.log' | tail -40" ;;
-    *)
-      echo "unknown stage $stage (build, gpu-checks, gpu-sweep, gpu-tests, demo, suite, bench-quick, bench-full, bench-sweep, bench-decode, bench-decode-large, profile, profile-leads, fuzz-cudnn)"
+    *)  # in `known` above, but given no case here
+      echo "stage $stage has no case in $0" >&2
       exit 2 ;;
   esac
 done
