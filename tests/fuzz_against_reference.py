@@ -274,6 +274,11 @@ def main(argv=None) -> int:
   parser.add_argument("--budget-s", type=float, default=0,
                       help="start no case after this many seconds (0: no limit)")
   args = parser.parse_args(argv)
+  # A run of no case would report success having checked nothing.
+  if args.cases < 1:
+    parser.error(f"--cases must be at least 1, got {args.cases}")
+  if not 0 <= args.budget_s < float("inf"):
+    parser.error(f"--budget-s must be a finite number of seconds, at least 0, got {args.budget_s:g}")
   if args.implementation == "cudnn":
     available, why = _cudnn.availability()
     if not available:

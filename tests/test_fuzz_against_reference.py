@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import fuzz_against_reference as fuzz
-from helpers import call, on_a_cpu_host
+from helpers import assert_usage_error, call, on_a_cpu_host
 
 SMALL = fuzz.Case(mode="lstm", layers=2, direction="bidirectional", input_mode="linear_input",
                   inputs=5, hidden=6, steps=4, batch=3, dtype="float32", time_major=True,
@@ -112,6 +112,16 @@ def test_cudnn_mode_runs_against_the_handler_model(sizes, monkeypatch, case):
   found = fuzz.errors(case, seed=2, implementation="cudnn")
   assert fuzz.verdict(case, "cudnn", found) == "ok", found
   assert len(found) >= 2, found
+
+
+@pytest.mark.parametrize("argv,message", [
+    # the first two ran no case and exited 0, as a run that checked them all; NaN set no limit
+    (["--cases", "0"], "--cases must be at least 1, got 0"),
+    (["--budget-s", "-15"], "--budget-s must be a finite number of seconds, at least 0, got -15"),
+    (["--budget-s", "nan"], "--budget-s must be .*, got nan"),
+])
+def test_a_run_that_would_check_nothing_is_a_usage_error(capsys, argv, message):
+  assert_usage_error(fuzz.main, argv, message, capsys)
 
 
 @on_a_cpu_host
