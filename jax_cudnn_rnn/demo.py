@@ -191,6 +191,12 @@ def main(argv=None) -> int:
     for name, value in quick.items():
       if getattr(args, name) == parser.get_default(name):
         setattr(args, name, value)
+  # The checkpoint is saved as step `steps` of an Orbax CheckpointManager, which
+  # refuses a step it already holds: said now, not by Orbax after the training.
+  if args.checkpoint_dir and (pathlib.Path(args.checkpoint_dir) / str(args.steps)).exists():
+    parser.error(f"argument --checkpoint-dir: {args.checkpoint_dir} already holds step "
+                 f"{args.steps} (a checkpoint of an earlier run of {args.steps} steps): "
+                 "choose another directory, or remove that step")
 
   device = jax.devices()[0]
   print(f"jax {jax.__version__} on {device.platform} ({device.device_kind})")

@@ -47,3 +47,17 @@ def test_corpus_is_real_text():
 ])
 def test_bad_options_are_usage_errors(capsys, argv, message):
   assert_usage_error(demo.main, argv, message, capsys)
+
+
+def test_a_checkpoint_directory_holding_the_step_is_a_usage_error(capsys, tmp_path):
+  """An earlier run's checkpoint of as many steps: Orbax's StepAlreadyExistsError,
+  after the training, before; now a usage error before it, and nothing removed."""
+  (tmp_path / "8").mkdir()
+  assert_usage_error(demo.main, ["--quick", "--checkpoint-dir", str(tmp_path)],
+                     rf"argument --checkpoint-dir: {tmp_path} already holds step 8 \(a checkpoint "
+                     r"of an earlier run of 8 steps\): choose another directory", capsys)
+  # The step asked for, not quick mode's: a run of 5 steps into a directory holding 5.
+  (tmp_path / "8" / "5").mkdir()
+  assert_usage_error(demo.main, ["--steps", "5", "--checkpoint-dir", str(tmp_path / "8")],
+                     r"argument --checkpoint-dir: \S+ already holds step 5", capsys)
+  assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == ["8", "8/5"]
