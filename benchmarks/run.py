@@ -855,6 +855,11 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
                    f"{', '.join(CONTENDER_NAMES)}")
   if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
     parser.error(f"--out-dir {args.out_dir} exists and is not a directory")
+  above = pathlib.Path(args.out_dir).absolute()
+  while not above.exists():  # the nearest that exists, where the directory would be made
+    above = above.parent
+  if not above.is_dir():
+    parser.error(f"--out-dir {args.out_dir} cannot be made: {above} is not a directory")
   if args.machine is not None and (not args.machine or os.sep in args.machine):
     parser.error(f"--machine must be a name for the output files, without {os.sep!r}, "
                  f"got {args.machine!r}")

@@ -161,10 +161,15 @@ def _float_in(low: float, high: float, *, low_open: bool = False):
 
 
 def _directory(text: str) -> str:
-  """An argparse type: a path that is a directory or not there yet (checked
-  before training, rather than failing in Orbax after it)."""
+  """An argparse type: a path that is a directory or not there yet, under a
+  directory (checked before training, rather than failing in Orbax after it)."""
   if os.path.exists(text) and not os.path.isdir(text):
     raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+  above = os.path.dirname(os.path.abspath(text))
+  while not os.path.exists(above):  # the nearest that exists, where it would be made
+    above = os.path.dirname(above)
+  if not os.path.isdir(above):
+    raise argparse.ArgumentTypeError(f"{text} cannot be made: {above} is not a directory")
   return text
 
 

@@ -587,6 +587,8 @@ def test_sweep_times_its_own_shapes_and_says_so(tmp_path, monkeypatch):
     (["--only", "ours-xla,flaxscan"], r"--only names no contender \['flaxscan'\]: choose from "
                                       r"ours-xla, flax-scan,"),  # was a run timing nothing
     (["--out-dir", __file__], r"--out-dir \S+ exists and is not a directory"),
+    (["--out-dir", f"{__file__}/a"], r"--out-dir \S+/a cannot be made: \S+test_benchmarks.py is not "
+                                     r"a directory"),  # was a NotADirectoryError
     (["--machine", "a/b"], r"--machine must be a name for the output files"),
 ])
 def test_bad_arguments_are_usage_errors_before_anything_runs(capsys, argv, message):

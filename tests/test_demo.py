@@ -44,6 +44,8 @@ def test_corpus_is_real_text():
     (["--layers", "two"], "argument --layers: invalid int value: 'two'"),
     # before training, not from Orbax after it
     (["--checkpoint-dir", __file__], r"argument --checkpoint-dir: \S+ exists and is not a directory"),
+    (["--checkpoint-dir", f"{__file__}/a/b"],
+     r"argument --checkpoint-dir: \S+/a/b cannot be made: \S+test_demo.py is not a directory"),
 ])
 def test_bad_options_are_usage_errors(capsys, argv, message):
   assert_usage_error(demo.main, argv, message, capsys)
