@@ -25,8 +25,9 @@ returns nothing partial. Given a `sharding`, the restored buffer is placed
 with it (replicated over a mesh, say), each addressable device's part taken
 from the host copy (`jax.make_array_from_callback`). `save` writes through
 Orbax's atomic temporary directory and only then replaces an existing
-checkpoint; it refuses to replace a file or a directory that is not a
-checkpoint.
+checkpoint; it refuses to replace a file, a directory that is not a
+checkpoint, or the process's working directory (or one above it), which the
+replacing rename would move away from under the process.
 
 Several processes (a multi-host run, `jax.distributed`): every process calls
 `save` / `restore` (or Orbax's `save` / `restore` with our args), as Orbax
@@ -386,6 +387,18 @@ def _directory(directory) -> epath.Path:
   return epath.Path(directory).absolute()
 
 
+def _holds_working_directory(directory: epath.Path) -> bool:
+  """Whether `directory` is the working directory or one above it (an empty
+  one, say `save(".", ...)` where `.` is empty: `os.replace` would move it
+  away from under the process)."""
+  try:
+    here = os.path.realpath(os.getcwd())
+  except OSError:  # the working directory is gone already
+    return False
+  there = os.path.realpath(os.fspath(directory))
+  return here == there or here.startswith(there.rstrip(os.sep) + os.sep)
+
+
 @_spec.takes_spec
 def save(directory, spec, params) -> None:
   """Saves `params` of `spec` to `directory`, replacing a checkpoint there only on success.
@@ -400,6 +413,11 @@ def save(directory, spec, params) -> None:
     kind = "a directory that is not a jax_cudnn_rnn checkpoint" if directory.is_dir() else "a file"
     raise CheckpointError(f"{directory} exists and is {kind}; save replaces only an empty "
                           "directory or an earlier checkpoint, so nothing was written")
+  if _holds_working_directory(directory):
+    raise CheckpointError(
+        f"{directory} is this process's working directory (or holds it): save replaces the "
+        "directory it is given, which would leave the process in a removed directory; name "
+        "a directory inside it instead, so nothing was written")
   primary = _is_primary(0)  # the process whose token and verdict `_staging_name`, `_all_learn` send
   staging = directory.parent / _staging_name(directory)
   if primary:

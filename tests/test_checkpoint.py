@@ -277,6 +277,34 @@ def test_save_never_replaces_other_data(tmp_path):
   np.testing.assert_array_equal(ck.restore(tmp_path / "empty", spec), params)
 
 
+def test_save_does_not_replace_the_working_directory(tmp_path, monkeypatch):
+  """`save(".")` in an empty directory moved that directory away from under the
+  process (its checkpoint landed at the path, and every relative path after it
+  failed); so would an earlier checkpoint the process works in, or one above."""
+  spec = jcr.CudnnGRU(1, 4, 3)
+  params = spec.init_params(jax.random.key(0))
+  message = r"is this process's working directory \(or holds it\).*nothing was written"
+  (tmp_path / "empty").mkdir()
+  monkeypatch.chdir(tmp_path / "empty")
+  for directory in (".", tmp_path / "empty"):
+    with pytest.raises(ck.CheckpointError, match=message):
+      ck.save(directory, spec, params)
+  assert os.getcwd() == str(tmp_path / "empty") and os.listdir(".") == []
+  ck.save(tmp_path / "ckpt", spec, params)
+  monkeypatch.chdir(tmp_path / "ckpt")  # an earlier checkpoint, to be replaced
+  with pytest.raises(ck.CheckpointError, match=message):
+    ck.save(".", spec, params + 1)
+  # Below one (a newer Orbax's checkpoint may hold more entries, and is replaceable).
+  (tmp_path / "ckpt" / "more").mkdir()
+  monkeypatch.chdir(tmp_path / "ckpt" / "more")
+  with pytest.raises(ck.CheckpointError, match=message):
+    ck.save("..", spec, params + 1)
+  np.testing.assert_array_equal(ck.restore("..", spec), params)
+  ck.save("inside", spec, params + 1)  # below the working directory, as ever
+  np.testing.assert_array_equal(ck.restore("inside", spec), params + 1)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "empty"]  # nothing staged left
+
+
 def test_save_replaces_a_damaged_checkpoint(tmp_path):
   spec = jcr.CudnnGRU(1, 4, 3)
   params = spec.init_params(jax.random.key(0))
