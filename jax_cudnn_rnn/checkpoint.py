@@ -27,7 +27,8 @@ from the host copy (`jax.make_array_from_callback`). `save` writes through
 Orbax's atomic temporary directory and only then replaces an existing
 checkpoint; it refuses to replace a file, a directory that is not a
 checkpoint, or the process's working directory (or one above it), which the
-replacing rename would move away from under the process.
+replacing rename would move away from under the process. A symbolic link is
+followed: what it points to is replaced, and the link stays.
 
 Several processes (a multi-host run, `jax.distributed`): every process calls
 `save` / `restore` (or Orbax's `save` / `restore` with our args), as Orbax
@@ -408,7 +409,9 @@ def save(directory, spec, params) -> None:
   data is never replaced. With several processes, each calls it (module doc).
   """
   args = RNNParamsSave(spec, params)  # checks its arguments before anything is written
-  directory = _directory(directory)
+  # Where a link points: replacing the link itself put the checkpoint beside it,
+  # a link to another file system (`ckpt -> /scratch/...`) becoming a directory.
+  directory = epath.Path(os.path.realpath(_directory(directory)))
   if directory.exists() and not _is_replaceable(directory):
     kind = "a directory that is not a jax_cudnn_rnn checkpoint" if directory.is_dir() else "a file"
     raise CheckpointError(f"{directory} exists and is {kind}; save replaces only an empty "

@@ -277,6 +277,25 @@ def test_save_never_replaces_other_data(tmp_path):
   np.testing.assert_array_equal(ck.restore(tmp_path / "empty", spec), params)
 
 
+def test_save_through_a_link_replaces_what_it_points_to(tmp_path):
+  """A link to a checkpoint directory (`ckpt -> /scratch/...`) stays a link: the
+  rename replaced the link itself, so that the checkpoint landed beside it, on
+  the link's file system, and the directory it pointed to kept the old one."""
+  spec = jcr.CudnnGRU(1, 4, 3)
+  params = spec.init_params(jax.random.key(0))
+  (tmp_path / "scratch").mkdir()
+  (tmp_path / "link").symlink_to(tmp_path / "scratch")
+  (tmp_path / "dangling").symlink_to(tmp_path / "not_yet")
+  for step in range(2):  # into an empty directory, then over the checkpoint there
+    ck.save(tmp_path / "link", spec, params + step)
+    assert (tmp_path / "link").is_symlink()
+    np.testing.assert_array_equal(ck.restore(tmp_path / "scratch", spec), params + step)
+  ck.save(tmp_path / "dangling", spec, params)  # made where the link points
+  assert (tmp_path / "dangling").is_symlink()
+  np.testing.assert_array_equal(ck.restore(tmp_path / "not_yet", spec), params)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "link", "not_yet", "scratch"]
+
+
 def test_save_does_not_replace_the_working_directory(tmp_path, monkeypatch):
   """`save(".")` in an empty directory moved that directory away from under the
   process (its checkpoint landed at the path, and every relative path after it
