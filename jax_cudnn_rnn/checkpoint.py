@@ -385,6 +385,8 @@ def _directory(directory) -> epath.Path:
   (rather than epath's "Invalid path type")."""
   if not isinstance(directory, (str, os.PathLike)):
     raise TypeError(f"directory must be a str or an os.PathLike, got {type(directory).__name__}")
+  if not os.fspath(directory):  # epath would read it as the working directory
+    raise ValueError("directory must name a directory, got ''")
   return epath.Path(directory).absolute()
 
 

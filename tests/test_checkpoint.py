@@ -217,6 +217,11 @@ def test_a_directory_that_is_no_path_is_a_type_error(tmp_path):
     ck.save(None, spec, spec.init_params(jax.random.key(0)))
   with pytest.raises(TypeError, match=r"^directory must be a str or an os.PathLike, got int$"):
     ck.restore(3, spec)
+  # An empty str was read as the working directory (an empty one would be replaced).
+  for call in (lambda: ck.save("", spec, spec.init_params(jax.random.key(0))),
+               lambda: ck.restore("", spec)):
+    with pytest.raises(ValueError, match=r"^directory must name a directory, got ''$"):
+      call()
   ck.save(str(tmp_path / "a"), spec, spec.init_params(jax.random.key(0)))  # a str is a path
   assert ck.restore(str(tmp_path / "a"), spec).shape == (spec.params_size(),)
 
