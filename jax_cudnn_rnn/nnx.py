@@ -4,8 +4,10 @@ The nnx twins of `jax_cudnn_rnn.linen`: the parameters are one opaque buffer,
 `module.opaque_params` (an `nnx.Param` of shape `(module.spec.params_size(),)`
 and dtype `param_dtype`); `module.spec` is the spec (for conversions and
 checkpoints). Dropout between layers draws from the `dropout` stream of the
-`rngs` given at construction (or at call time), and is off when
-`deterministic` is True (set by `module.eval()` or `nnx.view`).
+`rngs` given at construction, or its `default` stream where it has none, as
+`nnx.Dropout` does (at call time, `rngs` may also be an `nnx.RngStream` or a
+PRNG key), and is off when `deterministic` is True (set by `module.eval()` or
+`nnx.view`).
 Batch-major by default; `return_carry=True` returns `(carry, outputs)`.
 """
 
@@ -17,7 +19,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_cudnn_rnn import _adapter, _requirements, _spec
+from jax_cudnn_rnn import _adapter, _params, _requirements, _spec
 
 nnx = _requirements.optional_import("flax.nnx", "jax_cudnn_rnn.nnx")
 
@@ -36,6 +38,8 @@ class _FusedRNN(nnx.Module):
                param_dtype: Any = jnp.float32, kernel_init: Optional[Initializer] = None,
                bias_init: Optional[Initializer] = None, implementation: Optional[str] = None,
                rngs: nnx.Rngs):
+    if not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}")
     self.spec = _adapter.make_spec(
         self._rnn_mode(), features=features, num_layers=num_layers, input_size=in_features,
         input_mode=input_mode, bidirectional=bidirectional, dtype=param_dtype,
@@ -47,7 +51,9 @@ class _FusedRNN(nnx.Module):
         _adapter.init_params(self.spec, rngs.params(), kernel_init, bias_init))
     self.time_major, self.return_carry = time_major, return_carry
     self.deterministic, self.dtype, self.implementation = deterministic, dtype, implementation
-    self.rngs = rngs["dropout"].fork() if "dropout" in rngs else nnx.data(None)
+    has_dropout = self.spec.dropout > 0 and self.spec.num_layers > 1
+    stream = _dropout_stream(rngs) if "dropout" in rngs or has_dropout else None
+    self.rngs = stream.fork() if stream is not None else nnx.data(None)  # as nnx.Dropout
 
   def _rnn_mode(self) -> str:
     return self.rnn_mode
@@ -65,15 +71,35 @@ class _FusedRNN(nnx.Module):
     training = not deterministic and self.spec.dropout > 0 and self.spec.num_layers > 1
     key = None
     if training:
-      stream = rngs["dropout"] if rngs is not None else self.rngs
+      if rngs is None:
+        stream = self.rngs
+      elif isinstance(rngs, jax.Array):
+        stream = _params.check_key("rngs", rngs)
+      else:
+        stream = _dropout_stream(rngs)
       if stream is None:
-        raise ValueError("dropout needs rngs with a 'dropout' stream, at construction or call "
-                         "time, or deterministic=True")
-      key = stream()
+        raise ValueError("dropout needs rngs with a 'dropout' (or 'default') stream, at "
+                         "construction or call time, or deterministic=True")
+      key = stream if isinstance(stream, jax.Array) else stream()
     return _adapter.run(dataclasses.replace(self.spec, dtype=dtype), params, inputs,
                         initial_carry, seq_lengths=seq_lengths, dropout_key=key,
                         training=training, time_major=self.time_major,
                         implementation=self.implementation, return_carry=self.return_carry)
+
+
+def _dropout_stream(rngs):
+  """The stream dropout draws from, as `nnx.Dropout` takes `rngs`: an
+  `nnx.Rngs`'s 'dropout' stream, its 'default' one where it has none (None
+  where it has neither), or an `nnx.RngStream` itself."""
+  if isinstance(rngs, nnx.RngStream):
+    return rngs
+  if not isinstance(rngs, nnx.Rngs):
+    raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or (at call time) a PRNG "
+                    f"key, got {type(rngs).__name__}")
+  try:
+    return rngs["dropout"]
+  except KeyError:  # neither a 'dropout' nor a 'default' stream
+    return None
 
 
 class LSTM(_FusedRNN):

@@ -68,10 +68,46 @@ def test_dropout_stream_and_eval():
   assert not np.allclose(a, b)
   m.eval()
   np.testing.assert_array_equal(m(x), m(x))
-  no_stream = jnnx.GRU(3, 8, num_layers=2, dropout_rate=0.5, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="dropout"):
+  no_stream = jnnx.GRU(3, 8, num_layers=2, dropout_rate=0.5, rngs=nnx.Rngs(params=0))
+  with pytest.raises(ValueError, match=r"dropout needs rngs with a 'dropout' \(or 'default'\) "
+                                       r"stream, at construction or call time"):
     no_stream(x)
   assert no_stream(x, rngs=nnx.Rngs(dropout=3)).shape == (2, 5, 8)
+
+
+def test_dropout_takes_rngs_as_nnx_dropout_does():
+  """A `default` stream stands in for a `dropout` one, as in `nnx.Dropout`: a
+  model built with `nnx.Rngs(0)` trains with dropout (it raised before); at
+  call time `rngs` may also be a stream or a key, which draws the masks the
+  functional call draws from it."""
+  x = jax.random.normal(jax.random.key(0), (2, 5, 3), jnp.float32)
+  m = jnnx.GRU(3, 8, num_layers=2, dropout_rate=0.5, rngs=nnx.Rngs(0))
+  a, b = m(x), m(x)
+  assert not np.allclose(a, b)
+  assert not np.allclose(a, m(x, deterministic=True))
+  # The default stream forked at construction (after the parameters' draw), as
+  # nnx.Dropout forks it: the same keys.
+  m, rngs = jnnx.GRU(3, 8, num_layers=2, dropout_rate=0.5, rngs=nnx.Rngs(0)), nnx.Rngs(0)
+  rngs.params()
+  dropout = nnx.Dropout(0.5, rngs=rngs)
+  for _ in range(2):
+    np.testing.assert_array_equal(jax.random.key_data(m.rngs()),
+                                  jax.random.key_data(dropout.rngs()))
+  key = jax.random.key(7)
+  call = lambda k: m.spec(x, None, m.opaque_params[...], dropout_key=k, time_major=False)[0]
+  np.testing.assert_array_equal(m(x, rngs=key), call(key))
+  stream = nnx.Rngs(dropout=7)["dropout"]
+  expected_key = nnx.Rngs(dropout=7)["dropout"]()
+  np.testing.assert_array_equal(m(x, rngs=stream), call(expected_key))
+  for rngs, message in ((3, r"^rngs must be an nnx.Rngs, an nnx.RngStream or \(at call time\) a "
+                            r"PRNG key, got int$"),
+                        (jnp.zeros(3, jnp.uint32), r"^rngs must be a PRNG key")):
+    with pytest.raises(TypeError, match=message):
+      m(x, rngs=rngs)
+  with pytest.raises(TypeError, match=r"^rngs must be an nnx.Rngs, got int$"):
+    jnnx.GRU(3, 8, rngs=3)
+  # Without dropout to apply, nothing is drawn and a model without a stream is as before.
+  assert jnnx.GRU(3, 8, rngs=nnx.Rngs(params=0))(x).shape == (2, 5, 8)
 
 
 def test_training_steps_lower_the_loss():
