@@ -59,7 +59,7 @@ class _FusedRNN(nnx.Module):
     return self.rnn_mode
 
   def __call__(self, inputs, initial_carry=None, *, seq_lengths=None,
-               deterministic: Optional[bool] = None, rngs: Optional[nnx.Rngs] = None):
+               deterministic: Optional[bool] = None, rngs: Any = None):
     """Runs the RNN; arguments and results as `jax_cudnn_rnn.linen`'s modules."""
     deterministic = self.deterministic if deterministic is None else deterministic
     inputs = _adapter.as_inputs(inputs, self.time_major)
