@@ -26,8 +26,10 @@ with it (replicated over a mesh, say), each addressable device's part taken
 from the host copy (`jax.make_array_from_callback`). `save` writes through
 Orbax's atomic temporary directory and only then replaces an existing
 checkpoint; it refuses to replace a file, a directory that is not a
-checkpoint, or the process's working directory (or one above it), which the
-replacing rename would move away from under the process. A symbolic link is
+checkpoint, a checkpoint holding anything besides its own files (a checkpoint
+saved inside it, a file of the user's), or the process's working directory
+(or one above it), which the replacing rename would move away from under the
+process. A symbolic link is
 followed: what it points to is replaced, and the link stays.
 
 Several processes (a multi-host run, `jax.distributed`): every process calls
@@ -325,18 +327,30 @@ _CHECKPOINT_ENTRIES = frozenset({SPEC_FILE, ARRAYS_FILE, "_CHECKPOINT_METADATA",
                                  "commit_success.txt"})
 
 
-def _is_replaceable(directory: epath.Path) -> bool:
-  """Whether `save` may replace what is at `directory`: an empty directory or
-  one of our checkpoints (even a damaged one), never a file or other data."""
+def _why_not_replaceable(directory: epath.Path) -> str | None:
+  """None where `save` may replace what is at `directory`, an empty directory
+  or one of our checkpoints (even a damaged one); else what it is: a file or
+  other data. A checkpoint may hold more of Orbax's metadata files (a newer
+  Orbax's: named `_...`, as its own are), but nothing else: a checkpoint saved
+  inside it, or a file of the user's, would go with it."""
   if not directory.is_dir():
-    return False
+    return "a file"
   entries = set(os.listdir(os.fspath(directory)))
   if entries <= _CHECKPOINT_ENTRIES:
-    return True
-  try:  # a checkpoint from a newer Orbax may hold more files
-    return json.loads((directory / SPEC_FILE).read_text()).get("format") == FORMAT
+    return None
+  try:
+    ours = json.loads((directory / SPEC_FILE).read_text()).get("format") == FORMAT
   except (OSError, ValueError, AttributeError):
-    return False
+    ours = False
+  if not ours:
+    return "a directory that is not a jax_cudnn_rnn checkpoint"
+  others = sorted(e for e in entries - _CHECKPOINT_ENTRIES
+                  if not (e.startswith("_") and os.path.isfile(os.fspath(directory / e))
+                          and not os.path.islink(os.fspath(directory / e))))
+  if others:
+    return (f"a checkpoint that also holds {', '.join(others)}, which replacing it would "
+            "delete")
+  return None
 
 
 def _staging_name(directory: epath.Path) -> str:
@@ -414,9 +428,9 @@ def save(directory, spec, params) -> None:
   # Where a link points: replacing the link itself put the checkpoint beside it,
   # a link to another file system (`ckpt -> /scratch/...`) becoming a directory.
   directory = epath.Path(os.path.realpath(_directory(directory)))
-  if directory.exists() and not _is_replaceable(directory):
-    kind = "a directory that is not a jax_cudnn_rnn checkpoint" if directory.is_dir() else "a file"
-    raise CheckpointError(f"{directory} exists and is {kind}; save replaces only an empty "
+  why_not = _why_not_replaceable(directory) if directory.exists() else None
+  if why_not:
+    raise CheckpointError(f"{directory} exists and is {why_not}; save replaces only an empty "
                           "directory or an earlier checkpoint, so nothing was written")
   if _holds_working_directory(directory):
     raise CheckpointError(

@@ -3,6 +3,7 @@
 import gc
 import json
 import os
+import shutil
 import types
 import warnings
 
@@ -318,15 +319,37 @@ def test_save_does_not_replace_the_working_directory(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path / "ckpt")  # an earlier checkpoint, to be replaced
   with pytest.raises(ck.CheckpointError, match=message):
     ck.save(".", spec, params + 1)
-  # Below one (a newer Orbax's checkpoint may hold more entries, and is replaceable).
-  (tmp_path / "ckpt" / "more").mkdir()
-  monkeypatch.chdir(tmp_path / "ckpt" / "more")
-  with pytest.raises(ck.CheckpointError, match=message):
-    ck.save("..", spec, params + 1)
-  np.testing.assert_array_equal(ck.restore("..", spec), params)
+  monkeypatch.chdir(tmp_path / "empty")
   ck.save("inside", spec, params + 1)  # below the working directory, as ever
   np.testing.assert_array_equal(ck.restore("inside", spec), params + 1)
+  np.testing.assert_array_equal(ck.restore(tmp_path / "ckpt", spec), params)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "empty"]  # nothing staged left
+
+
+def test_save_does_not_replace_a_checkpoint_holding_other_data(tmp_path):
+  """Replacing a checkpoint deleted whatever else it held: a checkpoint saved
+  inside it, a file of the user's. Only Orbax's own kind of file (`_...`, as a
+  newer Orbax may add) may be there besides ours."""
+  spec = jcr.CudnnGRU(1, 4, 3)
+  params = spec.init_params(jax.random.key(0))
+  ck.save(tmp_path / "ckpt", spec, params)
+  ck.save(tmp_path / "ckpt" / "inner", spec, params * 2)
+  (tmp_path / "ckpt" / "notes.txt").write_text("mine")
+  with pytest.raises(ck.CheckpointError, match=r"ckpt exists and is a checkpoint that also holds "
+                                               r"inner, notes.txt, which replacing it would "
+                                               r"delete; .*nothing was written"):
+    ck.save(tmp_path / "ckpt", spec, params + 1)
+  np.testing.assert_array_equal(ck.restore(tmp_path / "ckpt", spec), params)
+  np.testing.assert_array_equal(ck.restore(tmp_path / "ckpt" / "inner", spec), params * 2)
+  assert (tmp_path / "ckpt" / "notes.txt").read_text() == "mine"
+  (tmp_path / "ckpt" / "notes.txt").unlink()
+  (tmp_path / "ckpt" / "_METADATA_OF_A_NEWER_ORBAX").write_text("{}")
+  with pytest.raises(ck.CheckpointError, match="also holds inner,"):
+    ck.save(tmp_path / "ckpt", spec, params + 1)
+  shutil.rmtree(tmp_path / "ckpt" / "inner")
+  ck.save(tmp_path / "ckpt", spec, params + 1)  # Orbax's kind of file alone: replaced
+  np.testing.assert_array_equal(ck.restore(tmp_path / "ckpt", spec), params + 1)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_save_replaces_a_damaged_checkpoint(tmp_path):
