@@ -209,6 +209,10 @@ def main(argv=None) -> int:
   split = int(corpus.size * 0.95)
   train, valid = corpus[:split], corpus[split:]
   print(f"corpus: {corpus.size:,} bytes of Python standard library source")
+  if valid.size < args.seq_len + 2:  # a window and its next byte, from the smaller split
+    parser.error(f"argument --seq-len: {args.seq_len} does not fit the validation text "
+                 f"({valid.size:,} bytes, 5% of the corpus): pass a shorter --seq-len or a "
+                 "larger --data-bytes")
 
   model = CharLM(args.hidden, args.layers, args.dropout)
   key = jax.random.key(args.seed)

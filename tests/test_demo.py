@@ -51,6 +51,13 @@ def test_bad_options_are_usage_errors(capsys, argv, message):
   assert_usage_error(demo.main, argv, message, capsys)
 
 
+def test_a_sequence_longer_than_the_validation_text_is_a_usage_error(capsys):
+  """Was numpy's "high <= 0" once the corpus was read."""
+  assert_usage_error(demo.main, ["--quick", "--seq-len", "100000"],
+                     r"argument --seq-len: 100000 does not fit the validation text \(10,000 "
+                     r"bytes, 5% of the corpus\): pass a shorter --seq-len", capsys)
+
+
 def test_a_checkpoint_directory_holding_the_step_is_a_usage_error(capsys, tmp_path):
   """An earlier run's checkpoint of as many steps: Orbax's StepAlreadyExistsError,
   after the training, before; now a usage error before it, and nothing removed."""
