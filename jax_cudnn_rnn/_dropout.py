@@ -34,6 +34,12 @@ def check_rate(name: str, rate) -> float:
   return float(rate)
 
 
+def drops(spec) -> bool:
+  """Whether a model of `spec` drops anything in training: a rate above 0,
+  and a layer below the last (the last layer's output is never dropped)."""
+  return spec.dropout > 0 and spec.num_layers > 1
+
+
 def _is_int(value) -> bool:
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 

@@ -29,7 +29,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_cudnn_rnn import _cudnn, _layout, _params, _partition, _reference, _symbolic, _xla
+from jax_cudnn_rnn import (_cudnn, _dropout, _layout, _params, _partition, _reference,
+                           _symbolic, _xla)
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 
@@ -200,7 +201,7 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     lengths = _partition.batch_like(lengths, 0, x, data_axis)
     params = _partition.batch_like(params, None, x, data_axis)
     x = _partition.batch_like(x, data_axis, x, data_axis)
-  apply_dropout = bool(is_training) and spec.dropout > 0 and spec.num_layers > 1
+  apply_dropout = bool(is_training) and _dropout.drops(spec)
   if apply_dropout and dropout_key is None:
     raise ValueError(f"dropout_key is required when is_training=True and dropout="
                      f"{spec.dropout} > 0: pass dropout_key=jax.random.key(...)")

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _adapter, _requirements, _spec
+from jax_cudnn_rnn import _adapter, _dropout, _requirements, _spec
 
 nn = _requirements.optional_import("flax.linen", "jax_cudnn_rnn.linen")
 
@@ -80,7 +80,7 @@ class _FusedRNN(nn.Module):
     input_size = inputs.shape[-1]
     param_spec = self.spec(input_size)  # checks the attributes it is made of
     _spec.check_bool("return_carry", self.return_carry)
-    if param_spec.dropout > 0 and param_spec.num_layers > 1:
+    if _dropout.drops(param_spec):
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
     else:  # nothing to drop: no need to say
       deterministic = True

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_cudnn_rnn import _adapter, _params, _requirements, _spec
+from jax_cudnn_rnn import _adapter, _dropout, _params, _requirements, _spec
 
 nnx = _requirements.optional_import("flax.nnx", "jax_cudnn_rnn.nnx")
 
@@ -51,8 +51,7 @@ class _FusedRNN(nnx.Module):
         _adapter.init_params(self.spec, rngs.params(), kernel_init, bias_init))
     self.time_major, self.return_carry = time_major, return_carry
     self.deterministic, self.dtype, self.implementation = deterministic, dtype, implementation
-    has_dropout = self.spec.dropout > 0 and self.spec.num_layers > 1
-    stream = _dropout_stream(rngs) if "dropout" in rngs or has_dropout else None
+    stream = _dropout_stream(rngs) if "dropout" in rngs or _dropout.drops(self.spec) else None
     self.rngs = stream.fork() if stream is not None else nnx.data(None)  # as nnx.Dropout
 
   def _rnn_mode(self) -> str:
@@ -68,7 +67,7 @@ class _FusedRNN(nnx.Module):
                        f"module's), got shape {tuple(inputs.shape)}")
     params = self.opaque_params[...]
     dtype = self.dtype if self.dtype is not None else jnp.result_type(inputs, params)
-    training = not deterministic and self.spec.dropout > 0 and self.spec.num_layers > 1
+    training = not deterministic and _dropout.drops(self.spec)
     key = None
     if training:
       if rngs is None:
