@@ -29,8 +29,8 @@ checkpoint; it refuses to replace a file, a directory that is not a
 checkpoint, a checkpoint holding anything besides its own files (a checkpoint
 saved inside it, a file of the user's), or the process's working directory
 (or one above it), which the replacing rename would move away from under the
-process. A symbolic link is
-followed: what it points to is replaced, and the link stays.
+process. A symbolic link is followed: what it points to is replaced, and the
+link stays.
 
 Several processes (a multi-host run, `jax.distributed`): every process calls
 `save` / `restore` (or Orbax's `save` / `restore` with our args), as Orbax
