@@ -38,7 +38,9 @@ The `to_*` functions return numpy arrays (torch tensors for
 `to_flax_nnx_cells`); the `from_*` ones return the opaque buffer, a
 `jax.Array` in the spec's dtype, as `canonical_to_params` does. They read
 each array of any real dtype (float, integer, bool); any other (complex,
-object, PRNG keys) is a `TypeError` naming it (`_np`).
+object, PRNG keys) is a `TypeError` naming it (`_np`). A torch tensor is read
+on any device and in any layout (sparse ones densified); one that holds no
+values to read (a meta or quantized tensor) is an error naming it.
 """
 
 from __future__ import annotations
@@ -58,11 +60,34 @@ def _np(where: str, a) -> np.ndarray:
   """`a` (an array, a torch tensor or a nested list) as numpy, or an error
   naming `where` unless it holds real numbers (`_params.as_array`'s `real`)."""
   if hasattr(a, "detach"):  # torch tensor
-    a = a.detach().cpu()
-    if a.is_floating_point() and a.element_size() < 4:
-      a = a.float()  # exact; numpy has no bfloat16 (or float8) for .numpy() to make
-    a = a.numpy()
+    a = _torch_values(where, a)
   return _params.as_array(where, a, np.asarray, real=True)
+
+
+def _torch_values(where: str, tensor) -> np.ndarray:
+  """A torch tensor's values as numpy, however it holds them: on any device, in
+  a sparse layout, as a lazily conjugated or negated view, in a float type
+  numpy lacks. A tensor that holds no values it can give (a meta tensor, a
+  quantized one, one inside `torch.func`) is an error naming `where`, not
+  torch's own message naming none."""
+  import torch  # imported already: a tensor was given
+
+  tensor = tensor.detach()
+  if tensor.is_meta:
+    raise ValueError(f"{where} is a meta tensor, which holds no values (a module built on the "
+                     "meta device: load its weights before converting them)")
+  if tensor.is_quantized:
+    raise TypeError(f"{where} is a quantized tensor ({tensor.dtype}); pass its dequantize()")
+  try:
+    if tensor.layout != torch.strided:  # a sparse layout
+      tensor = tensor.to_dense()
+    tensor = tensor.cpu().resolve_conj().resolve_neg()
+    if tensor.is_floating_point() and tensor.element_size() < 4:
+      tensor = tensor.float()  # exact; numpy has no bfloat16 (or float8) for .numpy() to make
+    return tensor.numpy()
+  except (RuntimeError, TypeError) as e:  # e.g. a torch.func transform's wrapped tensor
+    raise TypeError(f"{where}: cannot read the values of this {type(tensor).__name__} "
+                    f"({tensor.dtype}, layout {tensor.layout}): {e}") from e
 
 
 def _shaped(where: str, value, shape: tuple, context: str) -> np.ndarray:

@@ -105,6 +105,39 @@ def test_torch_half_precision_state_dicts_both_ways(dtype):
                                 np.asarray(params, np.float32))
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")  # deprecated in torch 2.13
+def test_torch_tensors_however_they_hold_their_values():
+  """Sparse tensors and lazily negated or conjugated views read as their
+  values; a tensor with no values to give (meta, quantized, one inside a
+  `torch.func` transform) is an error naming its key, not torch's naming none."""
+  torch = pytest.importorskip("torch")
+  spec = jcr.CudnnGRU(1, 4, 3)
+  module = torch.nn.GRU(3, 4)
+  state = module.state_dict()
+  expected = np.asarray(interop.from_torch_state_dict(spec, state))
+  views = {"sparse COO": lambda t: t.to_sparse(),
+           "negated view": lambda t: (-t)._neg_view(),  # -(-t), the negation lazily
+           "conjugated real view": lambda t: t.conj()}
+  for name, view in views.items():
+    got = interop.from_torch_state_dict(spec, {k: view(v) for k, v in state.items()})
+    np.testing.assert_array_equal(got, expected, err_msg=name)
+  with pytest.raises(TypeError, match=r"state_dict\['weight_ih_l0'\] must have a float.*complex64"):
+    interop.from_torch_state_dict(spec, {k: v.to(torch.complex64).conj() for k, v in state.items()})
+  with pytest.raises(ValueError, match=r"state_dict\['weight_ih_l0'\] is a meta tensor"):
+    interop.from_torch_state_dict(spec, torch.nn.GRU(3, 4, device="meta").state_dict())
+  quantized = {k: torch.quantize_per_tensor(v, 0.1, 0, torch.qint8) for k, v in state.items()}
+  with pytest.raises(TypeError, match=r"state_dict\['weight_ih_l0'\] is a quantized tensor.*"
+                                      r"dequantize\(\)"):
+    interop.from_torch_state_dict(spec, quantized)
+
+  def inside_grad(weight):
+    interop.from_torch_state_dict(spec, {**state, "weight_hh_l0": weight})
+    return weight.sum()
+
+  with pytest.raises(TypeError, match=r"state_dict\['weight_ih_l0'\]: cannot read the values"):
+    torch.func.grad(inside_grad)(state["weight_hh_l0"])
+
+
 @pytest.mark.parametrize("cls,direction,mode", CONFIGS)
 def test_flax_cells_round_trip_is_the_same_function(cls, direction, mode):
   spec = _spec(cls, direction, mode)
