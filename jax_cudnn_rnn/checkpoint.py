@@ -21,7 +21,10 @@ Canonical tree (stable names, a file format): `{"layer_<l>": {"forward" |
 
 Restoring checks the spec (each differing field named), the format version,
 every array's presence and shape; any problem raises `CheckpointError` and
-returns nothing partial. Given a `sharding`, the restored buffer is placed
+returns nothing partial. `saved_spec` reads the spec a checkpoint holds, so
+that a model can be rebuilt from it alone. Given the step directory of an
+Orbax CheckpointManager, which holds checkpoints (its items) rather than
+being one, both name the items it holds. Given a `sharding`, the restored buffer is placed
 with it (replicated over a mesh, say), each addressable device's part taken
 from the host copy (`jax.make_array_from_callback`). `save` writes through
 Orbax's atomic temporary directory and only then replaces an existing
@@ -185,21 +188,49 @@ def _write(directory: epath.Path, spec, params, primary: bool = True) -> None:
   (directory / SPEC_FILE).write_text(json.dumps(record, indent=1))
 
 
-def _read(directory: epath.Path, spec, dtype=None, sharding=None) -> jax.Array:
-  spec_path, arrays_path = directory / SPEC_FILE, directory / ARRAYS_FILE
-  for path in (spec_path, arrays_path):
-    if not path.exists():
-      raise CheckpointError(f"checkpoint file {path} is missing")
+def _checkpoints_inside(directory: epath.Path) -> list[str]:
+  """The entries of `directory` that are checkpoints of ours (the items of an
+  Orbax CheckpointManager's step, say), sorted."""
+  try:
+    return sorted(p.name for p in directory.iterdir() if (p / SPEC_FILE).exists())
+  except OSError:
+    return []
+
+
+def _missing(path: epath.Path) -> CheckpointError:
+  """A missing file's error; where the directory holds checkpoints rather than
+  being one (a CheckpointManager's step directory), it names them."""
+  inside = _checkpoints_inside(path.parent)
+  hint = (f" ({path.parent} holds the checkpoints {', '.join(inside)}: an Orbax "
+          "CheckpointManager's step? pass one of them)") if inside else ""
+  return CheckpointError(f"checkpoint file {path} is missing{hint}")
+
+
+def _read_record(directory: epath.Path) -> dict:
+  """`spec.json`'s record, its format and version checked."""
+  spec_path = directory / SPEC_FILE
+  if not spec_path.exists():
+    raise _missing(spec_path)
   try:
     record = json.loads(spec_path.read_text())
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise CheckpointError(f"{spec_path} is damaged: {e}") from None
-  if record.get("format") != FORMAT:
+  if not isinstance(record, dict) or record.get("format") != FORMAT:
     raise CheckpointError(f"{spec_path} is not a {FORMAT} checkpoint")
   if record.get("version") != VERSION:
     raise CheckpointError(f"{spec_path} has format version {record.get('version')}, "
                           f"this library reads version {VERSION}")
-  differences = _spec_differences(record.get("spec", {}), spec)
+  if not isinstance(record.get("spec"), dict):
+    raise CheckpointError(f"{spec_path} has no spec record (got {record.get('spec')!r})")
+  return record
+
+
+def _read(directory: epath.Path, spec, dtype=None, sharding=None) -> jax.Array:
+  record = _read_record(directory)
+  arrays_path = directory / ARRAYS_FILE
+  if not arrays_path.exists():
+    raise _missing(arrays_path)
+  differences = _spec_differences(record["spec"], spec)
   if differences:
     raise CheckpointError("checkpoint spec differs from the requested spec: "
                           + "; ".join(differences))
@@ -469,10 +500,23 @@ def restore(directory, spec, dtype=None, *, sharding=None) -> jax.Array:
   on JAX's default device.
   """
   args = RNNParamsRestore(spec, dtype, sharding)  # checks its arguments before any reading
+  directory = _existing_directory(directory)
+  with ocp.Checkpointer(RNNParamsHandler()) as checkpointer:
+    return checkpointer.restore(directory, args=args)
+
+
+def saved_spec(directory):
+  """The spec a checkpoint was saved with (its dtype, dropout and seed too), so
+  that a model can be rebuilt from the checkpoint alone:
+  `restore(directory, saved_spec(directory))`."""
+  return spec_from_dict(_read_record(_existing_directory(directory))["spec"])
+
+
+def _existing_directory(directory) -> epath.Path:
+  """`directory` as an absolute path, or an error unless it is a directory."""
   directory = _directory(directory)
   if not directory.exists():
     raise CheckpointError(f"checkpoint directory {directory} does not exist")
   if not directory.is_dir():
     raise CheckpointError(f"{directory} is a file, not a checkpoint directory")
-  with ocp.Checkpointer(RNNParamsHandler()) as checkpointer:
-    return checkpointer.restore(directory, args=args)
+  return directory

@@ -181,18 +181,64 @@ def _damage(path, how):
     record = json.loads((path / ck.SPEC_FILE).read_text())
     record["version"] = 99
     (path / ck.SPEC_FILE).write_text(json.dumps(record))
+  elif how == "spec_not_a_record":
+    record = json.loads((path / ck.SPEC_FILE).read_text())
+    record["spec"] = 3
+    (path / ck.SPEC_FILE).write_text(json.dumps(record))
+  elif how == "json_not_a_record":
+    (path / ck.SPEC_FILE).write_text("[1, 2]")
 
 
 @pytest.mark.parametrize("how,message", [
     ("missing_arrays", "is missing"), ("missing_spec", "is missing"), ("truncated", "damaged"),
     ("bad_json", "damaged"), ("wrong_shape", r"R_i has shape \(4, 5\), expected \(4, 4\)"),
-    ("missing_array", "has no array layer_0/forward/bW_g"), ("version", "format version 99")])
+    ("missing_array", "has no array layer_0/forward/bW_g"), ("version", "format version 99"),
+    ("spec_not_a_record", "has no spec record"),
+    ("json_not_a_record", "is not a jax_cudnn_rnn.canonical checkpoint")])
 def test_damaged_checkpoints_raise(tmp_path, how, message):
   spec = jcr.CudnnLSTM(1, 4, 3)
   ck.save(tmp_path / "c", spec, spec.init_params(jax.random.key(0)))
   _damage(tmp_path / "c", how)
   with pytest.raises(ck.CheckpointError, match=message):
     ck.restore(tmp_path / "c", spec)
+  if how not in ("missing_arrays", "truncated", "wrong_shape", "missing_array"):  # spec.json's
+    with pytest.raises(ck.CheckpointError, match=message):
+      ck.saved_spec(tmp_path / "c")
+
+
+@pytest.mark.parametrize("spec", [
+    jcr.CudnnLSTM(2, 4, 3, direction="bidirectional", dtype=jnp.bfloat16, dropout=0.25, seed=7),
+    jcr.CudnnGRU(1, 5, 5, input_mode="skip_input", dtype=jnp.float64),
+    jcr.CudnnRNNRelu(3, 2, 6)])
+def test_saved_spec_rebuilds_the_model_from_the_checkpoint_alone(tmp_path, spec):
+  params = spec.init_params(jax.random.key(0))
+  ck.save(tmp_path / "c", spec, params)
+  saved = ck.saved_spec(str(tmp_path / "c"))
+  assert saved == spec and type(saved) is type(spec)  # every field: dtype, dropout, seed too
+  np.testing.assert_array_equal(ck.restore(tmp_path / "c", saved), params)
+
+
+def test_a_checkpoint_managers_step_is_named_for_what_it_holds(tmp_path):
+  """`restore` or `saved_spec` given a CheckpointManager's step directory,
+  which holds the checkpoints (its items) rather than being one, names them."""
+  encoder, decoder = jcr.CudnnLSTM(1, 4, 3), jcr.CudnnGRU(1, 5, 4)
+  with ocp.CheckpointManager(tmp_path) as manager:
+    manager.save(3, args=ocp.args.Composite(
+        encoder=ck.RNNParamsSave(encoder, encoder.init_params(jax.random.key(0))),
+        decoder=ck.RNNParamsSave(decoder, decoder.init_params(jax.random.key(1)))))
+    manager.wait_until_finished()
+  hint = r"holds the checkpoints decoder, encoder: an Orbax CheckpointManager's step"
+  with pytest.raises(ck.CheckpointError, match=r"spec\.json is missing \(.*" + hint):
+    ck.restore(tmp_path / "3", encoder)
+  with pytest.raises(ck.CheckpointError, match=hint):
+    ck.saved_spec(tmp_path / "3")
+  assert ck.saved_spec(tmp_path / "3" / "decoder") == decoder
+  with pytest.raises(ck.CheckpointError, match=r"spec\.json is missing$"):  # no items: no hint
+    ck.saved_spec(tmp_path)
+  with pytest.raises(ck.CheckpointError, match="does not exist"):
+    ck.saved_spec(tmp_path / "nope")
+  with pytest.raises(TypeError, match="directory must be a str or an os.PathLike, got int"):
+    ck.saved_spec(3)
 
 
 def test_damaged_arrays_file_is_closed(tmp_path):
