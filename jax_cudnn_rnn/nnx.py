@@ -6,8 +6,9 @@ and dtype `param_dtype`); `module.spec` is the spec (for conversions and
 checkpoints). Dropout between layers draws from the `dropout` stream of the
 `rngs` given at construction, or its `default` stream where it has none, as
 `nnx.Dropout` does (at call time, `rngs` may also be an `nnx.RngStream` or a
-PRNG key), and is off when `deterministic` is True (set by `module.eval()` or
-`nnx.view`).
+PRNG key), and is off when `deterministic` is True (set by `module.eval()`, or
+in a view by `nnx.view(module, deterministic=True)` through `set_view`, as
+for `nnx.Dropout`).
 Batch-major by default; `return_carry=True` returns `(carry, outputs)`.
 """
 
@@ -47,6 +48,7 @@ class _FusedRNN(nnx.Module):
     if dtype is not None:
       _spec.check_dtype(dtype)
     _spec.check_bool("return_carry", return_carry)
+    _spec.check_bool("deterministic", deterministic)
     self.opaque_params = nnx.Param(
         _adapter.init_params(self.spec, rngs.params(), kernel_init, bias_init))
     self.time_major, self.return_carry = time_major, return_carry
@@ -56,6 +58,16 @@ class _FusedRNN(nnx.Module):
 
   def _rnn_mode(self) -> str:
     return self.rnn_mode
+
+  def set_view(self, deterministic: Optional[bool] = None):
+    """Used by `nnx.view`, as `nnx.Dropout`'s: `deterministic=True` turns
+    dropout off in the view, False on.
+
+    Args:
+      deterministic: if True, disables dropout between layers.
+    """
+    if deterministic is not None:
+      self.deterministic = _spec.check_bool("deterministic", deterministic)
 
   def __call__(self, inputs, initial_carry=None, *, seq_lengths=None,
                deterministic: Optional[bool] = None, rngs: Any = None):

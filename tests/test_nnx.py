@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import flax
 from flax import nnx
 
 import jax_cudnn_rnn as jcr
@@ -73,6 +74,33 @@ def test_dropout_stream_and_eval():
                                        r"stream, at construction or call time"):
     no_stream(x)
   assert no_stream(x, rngs=nnx.Rngs(dropout=3)).shape == (2, 5, 8)
+
+
+def test_nnx_view_sets_deterministic():
+  """`nnx.view(model, deterministic=True)` turns dropout off in the view, as
+  for `nnx.Dropout` (it raised "Unused keys" though the docstring promised it),
+  and leaves the model as it was; a model holding one views with its dropout."""
+  if not hasattr(nnx, "view"):
+    pytest.skip(f"nnx.view is newer than flax {flax.__version__}")
+  x = jax.random.normal(jax.random.key(0), (2, 5, 3), jnp.float32)
+  m = jnnx.GRU(3, 8, num_layers=2, dropout_rate=0.5, rngs=nnx.Rngs(0))
+  evaluated = nnx.view(m, deterministic=True)
+  assert evaluated.deterministic and not m.deterministic
+  np.testing.assert_array_equal(evaluated(x), m(x, deterministic=True))
+  assert not np.allclose(m(x), m(x, deterministic=True))  # the model keeps its dropout
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.rnn = jnnx.LSTM(3, 4, num_layers=2, dropout_rate=0.5, rngs=rngs)
+      self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+  block = nnx.view(Block(nnx.Rngs(0)), deterministic=True)
+  assert block.rnn.deterministic and block.dropout.deterministic
+  np.testing.assert_array_equal(block.rnn(x), block.rnn(x))
+  with pytest.raises(TypeError, match=r"^deterministic must be a bool, got 'yes'$"):
+    nnx.view(m, deterministic="yes")
+  with pytest.raises(TypeError, match=r"^deterministic must be a bool, got None$"):
+    jnnx.GRU(3, 8, deterministic=None, rngs=nnx.Rngs(0))
 
 
 def test_dropout_takes_rngs_as_nnx_dropout_does():
