@@ -179,6 +179,21 @@ def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
   return out
 
 
+def _torch_prefix_hint(keys) -> str:
+  """Where `keys` hold an RNN's under a submodule's prefix (a whole model's
+  state dict, `rnn.weight_ih_l0`), how to pass that RNN's alone."""
+  prefixes = sorted({k[:-len("weight_ih_l0")] for k in keys if isinstance(k, str)
+                     and k.endswith(".weight_ih_l0")})
+  if not prefixes:
+    return ""
+  first = prefixes[0]
+  return (f"; they hold an RNN's keys under the prefix{'es' if len(prefixes) > 1 else ''} "
+          f"{', '.join(map(repr, prefixes))} (a whole model's state dict): pass that "
+          f"RNN's, such as module.get_submodule({first[:-1]!r}).state_dict() or "
+          f"{{k.removeprefix({first!r}): v for k, v in state_dict.items() if "
+          f"k.startswith({first!r})}}")
+
+
 @_spec.takes_spec
 def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
   """An opaque buffer from a torch RNN state dict (numpy arrays or tensors, of
@@ -188,12 +203,14 @@ def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
     raise TypeError(f"state_dict must be a mapping of names to arrays or tensors, got "
                     f"{type(state_dict).__name__}{hint}")
   g = spec.num_gates
-  extra = set(state_dict) - {k for l in range(spec.num_layers) for d in range(spec.num_dirs)
-                             for k in _torch_keys(l, d)}
+  expected = {k for l in range(spec.num_layers) for d in range(spec.num_dirs)
+              for k in _torch_keys(l, d)}
+  extra = set(state_dict) - expected
   if extra:
-    projection = any(k.startswith("weight_hr_") for k in extra)
-    raise ValueError(f"state_dict has keys {sorted(extra)} that {spec} has no place for"
-                     + ("; LSTMs with proj_size are not supported" if projection else ""))
+    projection = any(isinstance(k, str) and k.startswith("weight_hr_") for k in extra)
+    raise ValueError(f"state_dict has keys {sorted(extra, key=repr)} that {spec} has no place for"
+                     + ("; LSTMs with proj_size are not supported" if projection else "")
+                     + _torch_prefix_hint(extra))
   per = {}
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):

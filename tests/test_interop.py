@@ -59,6 +59,27 @@ def test_torch_refusals():
     interop.from_torch_state_dict(spec, gru_sd)  # a GRU's state dict into an LSTM
 
 
+def test_a_whole_models_torch_state_dict_names_the_rnns_prefix():
+  """A model's state dict holding the RNN as a submodule (`encoder.rnn.weight_ih_l0`)
+  is refused with the way to pass the RNN's alone, and that way works."""
+  spec = jcr.CudnnGRU(2, 4, 3, direction="bidirectional")
+  rnn = interop.to_torch_state_dict(spec, spec.init_params(jax.random.key(0)))
+  model = {"embed.weight": np.zeros((9, 3))} | {f"encoder.rnn.{k}": v for k, v in rnn.items()}
+  prefix = "encoder.rnn."
+  with pytest.raises(ValueError, match=(
+      r"no place for; they hold an RNN's keys under the prefix 'encoder\.rnn\.' \(a whole "
+      r"model's state dict\): pass that RNN's, such as module\.get_submodule\('encoder\.rnn'\)"
+      r"\.state_dict\(\) or \{k\.removeprefix\('encoder\.rnn\.'\): v for k, v in "
+      r"state_dict\.items\(\) if k\.startswith\('encoder\.rnn\.'\)\}$")):
+    interop.from_torch_state_dict(spec, model)
+  state_dict = model  # the hint's expression, as written
+  alone = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+  np.testing.assert_array_equal(interop.from_torch_state_dict(spec, alone),
+                                interop.from_torch_state_dict(spec, rnn))
+  with pytest.raises(ValueError, match=r"has keys \['a', 1\] that .* no place for$"):
+    interop.from_torch_state_dict(spec, rnn | {1: 0, "a": 0})  # keys of mixed types, no hint
+
+
 @pytest.mark.parametrize("cls,direction", [(c, d) for c in SPEC_CLASSES
                                            for d in ("unidirectional", "bidirectional")])
 def test_outputs_equal_torch_module(cls, direction):
