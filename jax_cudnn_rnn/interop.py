@@ -279,7 +279,7 @@ def from_flax_linen_cells(spec, cells: Sequence[Sequence[Mapping]]):
   per = {}
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):
-      c = cells[layer][d]
+      cell = c = cells[layer][d]
       c = c.get("params", c)
       H = spec.num_units
 
@@ -306,18 +306,41 @@ def from_flax_linen_cells(spec, cells: Sequence[Sequence[Mapping]]):
           W, R, bW = [k("i")], [k("h")], [b("i")]
           bR = [np.zeros_like(bW[0])]
       except KeyError as e:
+        inside = _paths_to(cell, e.args[0])
+        hint = (f"; it holds {'one' if len(inside) == 1 else 'some'} at {', '.join(inside)}: "
+                "pass the cell's own (an nn.RNN holds its cell under 'cell')") if inside else ""
         raise ValueError(f"cells[{layer}][{d}] has no {e.args[0]!r}: not a Flax cell of "
-                         f"{spec.rnn_mode}") from None
+                         f"{spec.rnn_mode}{hint}") from None
       if not spec.layer_has_input_weights(layer):
         _check_skip_identity(spec, W, f"cells[0][{d}]")
       per[layer, d] = (W, R, bW, bR)
   return _from_per_direction(spec, per)
 
 
+def _paths_to(tree, key, depth: int = 4) -> list[str]:
+  """The paths (`['params']['cell']`) of the mappings inside `tree` holding
+  `key`, at most `depth` levels down: where a module's variables hold the cell
+  that was asked for."""
+  if depth == 0 or not isinstance(tree, Mapping):
+    return []
+  found = []
+  for name, value in tree.items():
+    if isinstance(value, Mapping):
+      if key in value:
+        found.append(f"[{name!r}]")
+      found += [f"[{name!r}]{path}" for path in _paths_to(value, key, depth - 1)]
+  return found
+
+
 # -- Flax nnx cells -----------------------------------------------------------------
 
 _NNX_CELLS = {"lstm": ("LSTMCell", "OptimizedLSTMCell"), "gru": ("GRUCell",),
               "rnn_tanh": ("SimpleCell",), "rnn_relu": ("SimpleCell",)}
+
+
+# Parameter names that one of each kind of nnx cell has (LSTMCell's `hi`, the
+# others' `dense_h`): where a tree holds them deeper down, it holds cells.
+_NNX_CELL_MARKS = ("hi", "dense_h")
 
 
 def _nnx_cell_kind(spec, cell: str) -> str:
@@ -444,6 +467,12 @@ def from_flax_nnx_cells(spec, cells: Sequence[Sequence[Any]]):
       else:
         raise TypeError(f"{where} must be a Flax nnx cell or its pure-dict params, got "
                         f"{type(c).__name__}")
+      if not any(k in tree for k in _NNX_CELL_MARKS):  # a module holding cells, say an nnx.RNN
+        inside = sorted({p for k in _NNX_CELL_MARKS for p in _paths_to(tree, k)})
+        if inside:
+          raise ValueError(f"{where} is not a Flax nnx cell but holds "
+                           f"{'one' if len(inside) == 1 else 'some'} at {', '.join(inside)}: "
+                           "pass the cell itself (an nnx.RNN's is its .cell)")
       tree = jax.tree_util.tree_map_with_path(
           lambda path, leaf: _np(where + jax.tree_util.keystr(path), leaf), tree)
       kind = "LSTMCell" if spec.rnn_mode == "lstm" and "ii" in tree else \

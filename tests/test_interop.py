@@ -225,6 +225,29 @@ def test_flax_cells_refuse_wrong_structure_and_shapes():
     interop.from_flax_linen_cells(wider, cells)
 
 
+def test_flax_cells_inside_a_modules_variables_are_named():
+  """An `nn.RNN`'s variables (or an `nn.Bidirectional`'s) hold the cell under
+  'cell': passed whole, the error says where the cell is; passed there, it reads."""
+  nn = pytest.importorskip("flax.linen")
+  spec = jcr.CudnnGRU(1, 4, 3, direction="bidirectional", dtype=jnp.float64)
+  cell = lambda: nn.GRUCell(4, param_dtype=jnp.float64)
+  variables = nn.Bidirectional(nn.RNN(cell()), nn.RNN(cell())).init(
+      jax.random.key(0), jnp.ones((2, 5, 3), jnp.float64))
+  with pytest.raises(ValueError, match=(
+      r"^cells\[0\]\[0\] has no 'ir': not a Flax cell of gru; it holds some at "
+      r"\['params'\]\['forward_rnn'\]\['cell'\], \['params'\]\['backward_rnn'\]\['cell'\]: "
+      r"pass the cell's own \(an nn.RNN holds its cell under 'cell'\)$")):
+    interop.from_flax_linen_cells(spec, [[variables, variables]])
+  with pytest.raises(ValueError, match=r"has no 'ir': .* it holds one at \['cell'\]: pass"):
+    interop.from_flax_linen_cells(spec, [[variables["params"]["forward_rnn"]] * 2])
+  cells = [[variables["params"]["forward_rnn"]["cell"], variables["params"]["backward_rnn"]["cell"]]]
+  np.testing.assert_array_equal(
+      interop.to_flax_linen_cells(spec, interop.from_flax_linen_cells(spec, cells))[0][1]["hn"]["bias"],
+      cells[0][1]["hn"]["bias"])
+  with pytest.raises(ValueError, match=r"^cells\[0\]\[0\] has no 'ir': not a Flax cell of gru$"):
+    interop.from_flax_linen_cells(spec, [[{"dense": {"kernel": 0}}] * 2])  # nothing to point at
+
+
 def _nnx_expressible_params(spec, seed=0):
   """Random params; for GRU the recurrent n-gate biases zeroed (nnx.GRUCell has none)."""
   params = spec.init_params(jax.random.key(seed))
@@ -345,6 +368,30 @@ def test_flax_nnx_cells_from_pure_dicts_and_refusals():
   with pytest.raises(ValueError, match="skip_input"):
     interop.from_flax_nnx_cells(skip, [[nnx.SimpleCell(4, 4, rngs=nnx.Rngs(0),
                                                        param_dtype=jnp.float64)]])
+
+
+def test_flax_nnx_modules_holding_cells_are_named():
+  """An `nnx.RNN` (or its state, or an `nnx.Bidirectional`) given for a cell:
+  the error says where its cells are (its state's rng key had been read as a
+  weight); the cell there reads."""
+  nnx = pytest.importorskip("flax.nnx")
+  lstm = jcr.CudnnLSTM(1, 4, 3, dtype=jnp.float64)
+  make = lambda kind, seed: getattr(nnx, kind)(3, 4, rngs=nnx.Rngs(seed), param_dtype=jnp.float64)
+  for kind in ("LSTMCell", "OptimizedLSTMCell"):
+    rnn = nnx.RNN(make(kind, 0))
+    for given in (rnn, nnx.state(rnn), nnx.to_pure_dict(nnx.state(rnn))):
+      with pytest.raises(ValueError, match=(
+          r"^cells\[0\]\[0\] is not a Flax nnx cell but holds one at \['cell'\]: pass the "
+          r"cell itself \(an nnx.RNN's is its .cell\)$")):
+        interop.from_flax_nnx_cells(lstm, [[given]])
+    np.testing.assert_array_equal(
+        interop.from_flax_nnx_cells(lstm, [[rnn.cell]]),
+        interop.from_flax_nnx_cells(lstm, [[nnx.to_pure_dict(nnx.state(rnn.cell, nnx.Param))]]))
+  both = nnx.Bidirectional(nnx.RNN(make("LSTMCell", 0)), nnx.RNN(make("LSTMCell", 1)))
+  with pytest.raises(ValueError, match=r"holds some at \['backward_rnn'\]\['cell'\], "
+                                       r"\['forward_rnn'\]\['cell'\]: pass"):
+    interop.from_flax_nnx_cells(dataclasses.replace(lstm, direction="bidirectional"),
+                                [[both, both]])
 
 
 def _keras():
