@@ -2,7 +2,8 @@
 
 Lossless where the target can express the weights, an error where it cannot:
 - PyTorch `nn.LSTM` / `nn.GRU` / `nn.RNN` state dicts (same gate orders and
-  double bias as cuDNN): exact both ways. Under skip_input, layer 0's
+  double bias as cuDNN): exact both ways (a `bias=False` module's reads with
+  zero biases, the same function). Under skip_input, layer 0's
   `weight_ih` is the stacked identity; reading a state dict into a
   skip_input spec refuses any other matrix.
 - Flax linen cells (`LSTMCell`, `OptimizedLSTMCell`, `GRUCell`, `SimpleCell`),
@@ -197,7 +198,10 @@ def _torch_prefix_hint(keys) -> str:
 @_spec.takes_spec
 def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
   """An opaque buffer from a torch RNN state dict (numpy arrays or tensors, of
-  any float dtype: cast to the spec's, bfloat16 and float16 ones exactly)."""
+  any float dtype: cast to the spec's, bfloat16 and float16 ones exactly).
+
+  A module made with `bias=False` (a state dict with no `bias_*` key) reads
+  with zero biases, the same function."""
   if not isinstance(state_dict, Mapping):
     hint = " (a module: pass module.state_dict())" if hasattr(state_dict, "state_dict") else ""
     raise TypeError(f"state_dict must be a mapping of names to arrays or tensors, got "
@@ -211,19 +215,21 @@ def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
     raise ValueError(f"state_dict has keys {sorted(extra, key=repr)} that {spec} has no place for"
                      + ("; LSTMs with proj_size are not supported" if projection else "")
                      + _torch_prefix_hint(extra))
+  biased = any(isinstance(k, str) and k.startswith("bias_") for k in state_dict)
   per = {}
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):
-      keys = _torch_keys(layer, d)
+      keys = _torch_keys(layer, d) if biased else _torch_keys(layer, d)[:2]
       missing = [k for k in keys if k not in state_dict]
       if missing:
-        raise ValueError(f"state_dict has no {missing[0]} (needed by {spec}); "
-                         "proj_size and bias=False are not supported")
+        raise ValueError(f"state_dict has no {missing[0]} (needed by {spec})")
       rows, units = g * spec.num_units, spec.num_units
       expected = ((rows, spec.layer_input_size(layer)), (rows, units), (rows,), (rows,))
       parts = [_shaped(f"state_dict['{k}']", state_dict[k], shape,
                        f"({g} gates of {units} units) for {spec}")
                for k, shape in zip(keys, expected)]
+      if not biased:  # bias=False: zero biases compute the same function
+        parts += [np.zeros(rows, parts[0].dtype)] * 2
       W, R, bW, bR = (np.split(p, g) for p in parts)
       if not spec.layer_has_input_weights(layer):
         _check_skip_identity(spec, W, keys[0])
@@ -519,7 +525,8 @@ def to_keras_weights(spec, params) -> list[list[list[np.ndarray]]]:
 
 @_spec.takes_spec
 def from_keras_weights(spec, weights: Sequence[Sequence[Sequence[Any]]]):
-  """An opaque buffer from Keras 3 weights `[layer][direction] = [kernel, recurrent, bias]`."""
+  """An opaque buffer from Keras 3 weights `[layer][direction] = [kernel, recurrent, bias]`
+  (`[kernel, recurrent]` from a layer with `use_bias=False`: zero biases)."""
   order = _KERAS_ORDER[spec.rnn_mode]
   inverse = np.argsort(order)
   g = spec.num_gates
@@ -528,11 +535,18 @@ def from_keras_weights(spec, weights: Sequence[Sequence[Sequence[Any]]]):
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):
       where = f"weights[{layer}][{d}]"
-      if len(weights[layer][d]) != 3:
-        raise ValueError(f"{where} must be [kernel, recurrent_kernel, bias], got "
-                         f"{len(weights[layer][d])} arrays")
-      kernel, recurrent, bias = weights[layer][d]
+      if len(weights[layer][d]) not in (2, 3):
+        raise ValueError(f"{where} must be [kernel, recurrent_kernel, bias] (or without the "
+                         f"bias, use_bias=False), got {len(weights[layer][d])} arrays"
+                         + (" (a Bidirectional layer's? its forward layer's are the first "
+                            "three, its backward's the last)"
+                            if len(weights[layer][d]) == 6 else ""))
+      kernel, recurrent, *bias = weights[layer][d]
       cols = g * spec.num_units
+      if not bias:  # use_bias=False: zero biases compute the same function
+        bias = np.zeros((2, cols) if spec.rnn_mode == "gru" else cols, np.float32)
+      else:
+        bias, = bias
       gates = f"({g} gates of {spec.num_units} units) for {spec}"
       kernel = _shaped(f"{where} kernel", kernel, (spec.layer_input_size(layer), cols), gates)
       recurrent = _shaped(f"{where} recurrent_kernel", recurrent, (spec.num_units, cols), gates)

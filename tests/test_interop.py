@@ -106,6 +106,34 @@ def test_outputs_equal_torch_module(cls, direction):
   np.testing.assert_array_equal(interop.from_torch_state_dict(spec, module.state_dict()), params)
 
 
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_a_torch_module_without_biases_reads_with_zero_biases(cls):
+  """`torch.nn.LSTM(..., bias=False)` computes what our double-bias model
+  computes with zero biases: its state dict reads so (it was refused), and the
+  outputs are the module's."""
+  torch = pytest.importorskip("torch")
+  spec = cls(2, 5, 3, direction="bidirectional", dtype=jnp.float64)
+  kwargs = dict(input_size=3, hidden_size=5, num_layers=2, bidirectional=True, bias=False,
+                dtype=torch.float64)
+  torch.manual_seed(0)
+  module = {"lstm": lambda: torch.nn.LSTM(**kwargs), "gru": lambda: torch.nn.GRU(**kwargs),
+            "rnn_tanh": lambda: torch.nn.RNN(nonlinearity="tanh", **kwargs),
+            "rnn_relu": lambda: torch.nn.RNN(nonlinearity="relu", **kwargs)}[spec.rnn_mode]()
+  params = interop.from_torch_state_dict(spec, module.state_dict())
+  _, biases = spec.params_to_canonical(params)
+  assert all(np.all(np.asarray(b) == 0) for b in biases)
+  x, h, c = random_inputs(spec, 6, 2)
+  with torch.no_grad():
+    state = (torch.from_numpy(h), torch.from_numpy(c)) if c is not None else torch.from_numpy(h)
+    ty, _ = module(torch.from_numpy(x), state)
+  y, _, _ = call(spec, x, h, c, params, is_training=False)
+  np.testing.assert_allclose(y, ty.numpy(), rtol=1e-10, atol=1e-12)
+  # Some biases but not all is a state dict missing one.
+  partial = dict(module.state_dict()) | {"bias_ih_l0": torch.zeros(spec.num_gates * 5)}
+  with pytest.raises(ValueError, match=r"^state_dict has no bias_hh_l0 \(needed by Cudnn"):
+    interop.from_torch_state_dict(spec, partial)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_torch_half_precision_state_dicts_both_ways(dtype):
   """A bfloat16 module's state dict (whose tensors numpy cannot hold) reads
@@ -427,6 +455,37 @@ def test_outputs_equal_keras_layer(cls):
   np.testing.assert_allclose(call(spec, xb, h, c, back, time_major=False)[0], y, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_a_keras_layer_without_biases_reads_with_zero_biases(cls):
+  """A Keras layer with `use_bias=False` has `[kernel, recurrent_kernel]`
+  weights (refused before): they read with zero biases, the same function. A
+  Bidirectional layer's six arrays, given as one direction's, are named."""
+  keras = _keras()
+  spec = cls(1, 5, 3, dtype=jnp.float32)
+  kwargs = dict(use_bias=False, return_sequences=True, return_state=True)
+  layer = {"lstm": lambda: keras.layers.LSTM(5, **kwargs),
+           "gru": lambda: keras.layers.GRU(5, reset_after=True, **kwargs),
+           "rnn_tanh": lambda: keras.layers.SimpleRNN(5, **kwargs),
+           "rnn_relu": lambda: keras.layers.SimpleRNN(5, activation="relu", **kwargs)
+           }[spec.rnn_mode]()
+  x, h, c = random_inputs(spec, 6, 2)
+  xb = np.swapaxes(x, 0, 1)
+  # Keras's GRU without biases makes a float64 state under x64 (conftest.py).
+  with jax.numpy_rank_promotion("allow"), jax.enable_x64(False):
+    layer.build(xb.shape)
+    weights = layer.get_weights()
+    assert len(weights) == 2
+    outs = layer(xb, initial_state=[h[0], c[0]] if c is not None else [h[0]])
+  params = interop.from_keras_weights(spec, [[weights]])
+  _, biases = spec.params_to_canonical(params)
+  assert all(np.all(np.asarray(b) == 0) for b in biases)
+  y, _, _ = call(spec, xb, h, c, params, time_major=False)
+  np.testing.assert_allclose(y, np.asarray(outs[0]), rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError, match=r"^weights\[0\]\[0\] must be \[kernel, recurrent_kernel, "
+                                       r"bias\] .* got 6 arrays \(a Bidirectional layer's\?"):
+    interop.from_keras_weights(spec, [[weights + [np.zeros(1)] * 4]])
+
+
 @pytest.mark.parametrize("cls,direction,mode", CONFIGS)
 def test_keras_weights_round_trip(cls, direction, mode):
   spec = _spec(cls, direction, mode)
@@ -449,8 +508,9 @@ def test_keras_weights_refuse_wrong_structure_and_shapes():
   weights = interop.to_keras_weights(lstm, lstm.init_params(jax.random.key(0)))
   with pytest.raises(ValueError, match="weights must hold 2 entries"):
     interop.from_keras_weights(lstm, weights[:1])
-  with pytest.raises(ValueError, match=r"must be \[kernel, recurrent_kernel, bias\], got 2"):
-    interop.from_keras_weights(lstm, [weights[0], [weights[1][0][:2]]])
+  with pytest.raises(ValueError, match=r"must be \[kernel, recurrent_kernel, bias\] \(or "
+                                       r"without the bias, use_bias=False\), got 1 arrays$"):
+    interop.from_keras_weights(lstm, [weights[0], [weights[1][0][:1]]])
   kernel, recurrent, bias = weights[1][0]
   with pytest.raises(ValueError, match=r"weights\[1\]\[0\] recurrent_kernel has shape \(16, 4\)"):
     interop.from_keras_weights(lstm, [weights[0], [[kernel, recurrent.T, bias]]])
