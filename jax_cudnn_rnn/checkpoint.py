@@ -130,6 +130,8 @@ def from_canonical_tree(spec, tree) -> jax.Array:
 
 @_spec.takes_spec
 def spec_to_dict(spec) -> dict:
+  """The spec as `spec.json` records it: its class name and every field, the
+  dtype by name (JSON-serializable)."""
   d = {"class": type(spec).__name__}
   for f in _SPEC_FIELDS:
     v = getattr(spec, f)
@@ -138,6 +140,8 @@ def spec_to_dict(spec) -> dict:
 
 
 def spec_from_dict(d: dict):
+  """The spec `spec_to_dict` recorded, or a `CheckpointError` saying the record
+  is invalid."""
   try:
     cls = _SPEC_CLASSES[d["class"]]
     return cls(**{f: d[f] for f in _SPEC_FIELDS})
