@@ -24,9 +24,9 @@ every array's presence and shape; any problem raises `CheckpointError` and
 returns nothing partial. `saved_spec` reads the spec a checkpoint holds, so
 that a model can be rebuilt from it alone. Given the step directory of an
 Orbax CheckpointManager, which holds checkpoints (its items) rather than
-being one, both name the items it holds. Given a `sharding`, the restored buffer is placed
-with it (replicated over a mesh, say), each addressable device's part taken
-from the host copy (`jax.make_array_from_callback`). `save` writes through
+being one, both name the items it holds. Given a `sharding`, the restored
+buffer is placed with it (replicated over a mesh, say), each addressable
+device's part taken from the host copy (`jax.make_array_from_callback`). `save` writes through
 Orbax's atomic temporary directory and only then replaces an existing
 checkpoint; it refuses to replace a file, a directory that is not a
 checkpoint, a checkpoint holding anything besides its own files (a checkpoint

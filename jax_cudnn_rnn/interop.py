@@ -207,9 +207,8 @@ def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
     raise TypeError(f"state_dict must be a mapping of names to arrays or tensors, got "
                     f"{type(state_dict).__name__}{hint}")
   g = spec.num_gates
-  expected = {k for l in range(spec.num_layers) for d in range(spec.num_dirs)
-              for k in _torch_keys(l, d)}
-  extra = set(state_dict) - expected
+  extra = set(state_dict) - {k for l in range(spec.num_layers) for d in range(spec.num_dirs)
+                             for k in _torch_keys(l, d)}
   if extra:
     projection = any(isinstance(k, str) and k.startswith("weight_hr_") for k in extra)
     raise ValueError(f"state_dict has keys {sorted(extra, key=repr)} that {spec} has no place for"
