@@ -80,6 +80,22 @@ def test_a_whole_models_torch_state_dict_names_the_rnns_prefix():
     interop.from_torch_state_dict(spec, rnn | {1: 0, "a": 0})  # keys of mixed types, no hint
 
 
+def _torch_module(torch, rnn_mode: str, **kwargs):
+  """`torch.nn.LSTM`, `GRU` or `RNN` for `rnn_mode`, made with `kwargs`."""
+  if rnn_mode.startswith("rnn_"):
+    return torch.nn.RNN(nonlinearity=rnn_mode.removeprefix("rnn_"), **kwargs)
+  return {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[rnn_mode](**kwargs)
+
+
+def _torch_outputs(torch, module, x, h, c):
+  """The module's `(outputs, h, c)` (`c` None but for the LSTM) as numpy."""
+  with torch.no_grad():
+    state = (torch.from_numpy(h), torch.from_numpy(c)) if c is not None else torch.from_numpy(h)
+    y, state = module(torch.from_numpy(x), state)
+  h, c = state if c is not None else (state, None)
+  return y.numpy(), h.numpy(), None if c is None else c.numpy()
+
+
 @pytest.mark.parametrize("cls,direction", [(c, d) for c in SPEC_CLASSES
                                            for d in ("unidirectional", "bidirectional")])
 def test_outputs_equal_torch_module(cls, direction):
@@ -88,20 +104,15 @@ def test_outputs_equal_torch_module(cls, direction):
   params = spec.init_params(jax.random.key(0))
   kwargs = dict(input_size=3, hidden_size=5, num_layers=2, bidirectional=direction == "bidirectional",
                 dtype=torch.float64)
-  module = {"lstm": lambda: torch.nn.LSTM(**kwargs), "gru": lambda: torch.nn.GRU(**kwargs),
-            "rnn_tanh": lambda: torch.nn.RNN(nonlinearity="tanh", **kwargs),
-            "rnn_relu": lambda: torch.nn.RNN(nonlinearity="relu", **kwargs)}[spec.rnn_mode]()
+  module = _torch_module(torch, spec.rnn_mode, **kwargs)
   module.load_state_dict(interop.to_torch_state_dict(spec, params, as_tensors=True))
   x, h, c = random_inputs(spec, 6, 2)
-  with torch.no_grad():
-    state = (torch.from_numpy(h), torch.from_numpy(c)) if c is not None else torch.from_numpy(h)
-    ty, tstate = module(torch.from_numpy(x), state)
+  ty, th, tc = _torch_outputs(torch, module, x, h, c)
   y, hn, cn = call(spec, x, h, c, params, is_training=False)
-  np.testing.assert_allclose(y, ty.numpy(), rtol=1e-10, atol=1e-12)
-  th = tstate[0] if c is not None else tstate
-  np.testing.assert_allclose(hn, th.numpy(), rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(y, ty, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(hn, th, rtol=1e-10, atol=1e-12)
   if c is not None:
-    np.testing.assert_allclose(cn, tstate[1].numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(cn, tc, rtol=1e-10, atol=1e-12)
   # And back from the module's own state dict.
   np.testing.assert_array_equal(interop.from_torch_state_dict(spec, module.state_dict()), params)
 
@@ -116,18 +127,13 @@ def test_a_torch_module_without_biases_reads_with_zero_biases(cls):
   kwargs = dict(input_size=3, hidden_size=5, num_layers=2, bidirectional=True, bias=False,
                 dtype=torch.float64)
   torch.manual_seed(0)
-  module = {"lstm": lambda: torch.nn.LSTM(**kwargs), "gru": lambda: torch.nn.GRU(**kwargs),
-            "rnn_tanh": lambda: torch.nn.RNN(nonlinearity="tanh", **kwargs),
-            "rnn_relu": lambda: torch.nn.RNN(nonlinearity="relu", **kwargs)}[spec.rnn_mode]()
+  module = _torch_module(torch, spec.rnn_mode, **kwargs)
   params = interop.from_torch_state_dict(spec, module.state_dict())
   _, biases = spec.params_to_canonical(params)
   assert all(np.all(np.asarray(b) == 0) for b in biases)
   x, h, c = random_inputs(spec, 6, 2)
-  with torch.no_grad():
-    state = (torch.from_numpy(h), torch.from_numpy(c)) if c is not None else torch.from_numpy(h)
-    ty, _ = module(torch.from_numpy(x), state)
   y, _, _ = call(spec, x, h, c, params, is_training=False)
-  np.testing.assert_allclose(y, ty.numpy(), rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(y, _torch_outputs(torch, module, x, h, c)[0], rtol=1e-10, atol=1e-12)
   # Some biases but not all is a state dict missing one.
   partial = dict(module.state_dict()) | {"bias_ih_l0": torch.zeros(spec.num_gates * 5)}
   with pytest.raises(ValueError, match=r"^state_dict has no bias_hh_l0 \(needed by Cudnn"):
