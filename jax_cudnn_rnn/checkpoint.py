@@ -26,14 +26,14 @@ that a model can be rebuilt from it alone. Given the step directory of an
 Orbax CheckpointManager, which holds checkpoints (its items) rather than
 being one, both name the items it holds. Given a `sharding`, the restored
 buffer is placed with it (replicated over a mesh, say), each addressable
-device's part taken from the host copy (`jax.make_array_from_callback`). `save` writes through
-Orbax's atomic temporary directory and only then replaces an existing
-checkpoint; it refuses to replace a file, a directory that is not a
-checkpoint, a checkpoint holding anything besides its own files (a checkpoint
-saved inside it, a file of the user's), or the process's working directory
-(or one above it), which the replacing rename would move away from under the
-process. A symbolic link is followed: what it points to is replaced, and the
-link stays.
+device's part taken from the host copy (`jax.make_array_from_callback`).
+`save` writes through Orbax's atomic temporary directory and only then
+replaces an existing checkpoint; it refuses to replace a file, a directory
+that is not a checkpoint, a checkpoint holding anything besides its own files
+(a checkpoint saved inside it, a file of the user's), or the process's
+working directory (or one above it), which the replacing rename would move
+away from under the process. A symbolic link is followed: what it points to
+is replaced, and the link stays.
 
 Several processes (a multi-host run, `jax.distributed`): every process calls
 `save` / `restore` (or Orbax's `save` / `restore` with our args), as Orbax

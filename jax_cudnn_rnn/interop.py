@@ -533,19 +533,17 @@ def from_keras_weights(spec, weights: Sequence[Sequence[Sequence[Any]]]):
   per = {}
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):
-      where = f"weights[{layer}][{d}]"
-      if len(weights[layer][d]) not in (2, 3):
+      where, given = f"weights[{layer}][{d}]", weights[layer][d]
+      if len(given) not in (2, 3):
         raise ValueError(f"{where} must be [kernel, recurrent_kernel, bias] (or without the "
-                         f"bias, use_bias=False), got {len(weights[layer][d])} arrays"
+                         f"bias, use_bias=False), got {len(given)} arrays"
                          + (" (a Bidirectional layer's? its forward layer's are the first "
-                            "three, its backward's the last)"
-                            if len(weights[layer][d]) == 6 else ""))
-      kernel, recurrent, *bias = weights[layer][d]
+                            "three, its backward's the last)" if len(given) == 6 else ""))
+      kernel, recurrent, *rest = given
       cols = g * spec.num_units
-      if not bias:  # use_bias=False: zero biases compute the same function
-        bias = np.zeros((2, cols) if spec.rnn_mode == "gru" else cols, np.float32)
-      else:
-        bias, = bias
+      # use_bias=False: zero biases compute the same function.
+      bias = rest[0] if rest else np.zeros((2, cols) if spec.rnn_mode == "gru" else cols,
+                                           np.float32)
       gates = f"({g} gates of {spec.num_units} units) for {spec}"
       kernel = _shaped(f"{where} kernel", kernel, (spec.layer_input_size(layer), cols), gates)
       recurrent = _shaped(f"{where} recurrent_kernel", recurrent, (spec.num_units, cols), gates)

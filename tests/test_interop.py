@@ -433,16 +433,23 @@ def _keras():
   return pytest.importorskip("keras")
 
 
+def _keras_layer(keras, rnn_mode: str, units: int, **kwargs):
+  """The Keras layer of `rnn_mode` (a GRU with `reset_after`, cuDNN's), returning
+  its sequences and states, made with `kwargs`."""
+  kwargs |= dict(return_sequences=True, return_state=True)
+  if rnn_mode.startswith("rnn_"):
+    return keras.layers.SimpleRNN(units, activation=rnn_mode.removeprefix("rnn_"), **kwargs)
+  if rnn_mode == "gru":
+    return keras.layers.GRU(units, reset_after=True, **kwargs)
+  return keras.layers.LSTM(units, **kwargs)
+
+
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_outputs_equal_keras_layer(cls):
   keras = _keras()
   spec = cls(1, 5, 3, dtype=jnp.float32)
   params = spec.init_params(jax.random.key(0))
-  layer = {"lstm": lambda: keras.layers.LSTM(5, return_sequences=True, return_state=True),
-           "gru": lambda: keras.layers.GRU(5, reset_after=True, return_sequences=True, return_state=True),
-           "rnn_tanh": lambda: keras.layers.SimpleRNN(5, return_sequences=True, return_state=True),
-           "rnn_relu": lambda: keras.layers.SimpleRNN(5, activation="relu", return_sequences=True,
-                                                      return_state=True)}[spec.rnn_mode]()
+  layer = _keras_layer(keras, spec.rnn_mode, 5)
   x, h, c = random_inputs(spec, 6, 2)
   xb = np.swapaxes(x, 0, 1)
   init = [h[0], c[0]] if c is not None else [h[0]]
@@ -468,12 +475,7 @@ def test_a_keras_layer_without_biases_reads_with_zero_biases(cls):
   Bidirectional layer's six arrays, given as one direction's, are named."""
   keras = _keras()
   spec = cls(1, 5, 3, dtype=jnp.float32)
-  kwargs = dict(use_bias=False, return_sequences=True, return_state=True)
-  layer = {"lstm": lambda: keras.layers.LSTM(5, **kwargs),
-           "gru": lambda: keras.layers.GRU(5, reset_after=True, **kwargs),
-           "rnn_tanh": lambda: keras.layers.SimpleRNN(5, **kwargs),
-           "rnn_relu": lambda: keras.layers.SimpleRNN(5, activation="relu", **kwargs)
-           }[spec.rnn_mode]()
+  layer = _keras_layer(keras, spec.rnn_mode, 5, use_bias=False)
   x, h, c = random_inputs(spec, 6, 2)
   xb = np.swapaxes(x, 0, 1)
   # Keras's GRU without biases makes a float64 state under x64 (conftest.py).
