@@ -39,9 +39,17 @@ The `to_*` functions return numpy arrays (torch tensors for
 `to_flax_nnx_cells`); the `from_*` ones return the opaque buffer, a
 `jax.Array` in the spec's dtype, as `canonical_to_params` does. They read
 each array of any real dtype (float, integer, bool); any other (complex,
-object, PRNG keys) is a `TypeError` naming it (`_np`). A torch tensor is read
+object, PRNG keys) is a `TypeError` naming it (`_array`). A torch tensor is read
 on any device and in any layout (sparse ones densified); one that holds no
 values to read (a meta or quantized tensor) is an error naming it.
+
+The `from_*` functions also trace: under `jit`, `grad` and `vmap` they take
+traced arrays and are differentiable, so weights kept in another library's
+format can be converted inside the step that trains them. A `skip_input`
+spec is the exception: reading one checks that layer 0's input matrices are
+identities, which needs their values, so traced ones are a `TypeError`. The
+`to_*` functions return values (numpy arrays, torch tensors, nnx modules): a
+traced `params` is a `TypeError` naming the function.
 """
 
 from __future__ import annotations
@@ -57,9 +65,25 @@ import numpy as np
 from jax_cudnn_rnn import _layout, _params, _requirements, _spec
 
 
-def _np(where: str, a) -> np.ndarray:
+def _traced(*arrays) -> bool:
+  return any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def _split(a, parts: int, axis: int = 0) -> list:
+  """`np.split`, or `jnp.split` for a traced `a`."""
+  return (jnp if _traced(a) else np).split(a, parts, axis=axis)
+
+
+def _zeros_like(a):
+  return (jnp if _traced(a) else np).zeros_like(a)
+
+
+def _array(where: str, a):
   """`a` (an array, a torch tensor or a nested list) as numpy, or an error
-  naming `where` unless it holds real numbers (`_params.as_array`'s `real`)."""
+  naming `where` unless it holds real numbers (`_params.as_array`'s `real`);
+  a traced array (under `jit`, `grad`, `vmap`) stays as it is, checked alike."""
+  if _traced(a):
+    return _params.check_real(where, a)
   if hasattr(a, "detach"):  # torch tensor
     a = _torch_values(where, a)
   return _params.as_array(where, a, np.asarray, real=True)
@@ -91,24 +115,38 @@ def _torch_values(where: str, tensor) -> np.ndarray:
                     f"({tensor.dtype}, layout {tensor.layout}): {e}") from e
 
 
-def _shaped(where: str, value, shape: tuple, context: str) -> np.ndarray:
-  """`value` as numpy, or a ValueError naming `where` unless it has `shape`."""
-  array = _np(where, value)
+def _shaped(where: str, value, shape: tuple, context: str):
+  """`value` as `_array` gives it, or a ValueError naming `where` unless it has `shape`."""
+  array = _array(where, value)
   if array.shape != shape:
     raise ValueError(f"{where} has shape {array.shape}, expected {shape} {context}")
   return array
 
 
+def _concrete(where: str, params) -> None:
+  """A TypeError unless `params` is concrete: `where`, a `to_*` converter,
+  returns values, which a traced buffer has none of."""
+  if _traced(params):
+    raise TypeError(
+        f"{where} returns values, not a computation, so params must be a concrete array, "
+        f"got a traced "
+        f"{np.dtype(params.dtype).name}{list(params.shape)} (call it outside jit, grad and "
+        "vmap, on the values they return)")
+
+
 def _per_direction(spec, params):
-  """`{(layer, direction): (W list | None, R list, bW list, bR list)}` as numpy."""
+  """`{(layer, direction): (W list | None, R list, bW list, bR list)}` as numpy
+  (traced arrays for a traced `params`)."""
   weights, biases = spec.params_to_canonical(params)
+  if not _traced(params):
+    weights, biases = [np.asarray(w) for w in weights], [np.asarray(b) for b in biases]
   w_entries, b_entries = _layout.tensors(spec)
   g = spec.num_gates
   out = {}
   for layer in range(spec.num_layers):
     for d in range(spec.num_dirs):
-      ws = [np.asarray(w) for w, t in zip(weights, w_entries) if (t.layer, t.direction) == (layer, d)]
-      bs = [np.asarray(b) for b, t in zip(biases, b_entries) if (t.layer, t.direction) == (layer, d)]
+      ws = [w for w, t in zip(weights, w_entries) if (t.layer, t.direction) == (layer, d)]
+      bs = [b for b, t in zip(biases, b_entries) if (t.layer, t.direction) == (layer, d)]
       W = ws[:g] if len(ws) == 2 * g else None
       out[layer, d] = (W, ws[-g:], bs[:g], bs[g:])
   return out
@@ -131,6 +169,11 @@ def _identity_inputs(spec):
 
 
 def _check_skip_identity(spec, W, where: str):
+  if _traced(*W):
+    raise TypeError(
+        f"{where}: {spec} uses skip_input, so layer 0's input matrices must be identities, "
+        "which needs their values, but they are traced (under jit, grad or vmap): convert "
+        "outside them, or use a linear_input spec, which keeps those matrices")
   eye = np.eye(spec.num_units)
   if not all(np.array_equal(np.asarray(w, np.float64), eye) for w in W):
     raise ValueError(f"{where}: the spec uses skip_input, so layer 0's input matrices must be "
@@ -165,6 +208,7 @@ def to_torch_state_dict(spec, params, *, as_tensors: bool = False) -> dict:
   """Keys and values of `torch.nn.LSTM/GRU/RNN(..., bias=True)` with the same config:
   numpy arrays, or with `as_tensors` torch tensors of the spec's dtype (a
   bfloat16 spec's are `torch.bfloat16`, as `module.to(torch.bfloat16)` holds)."""
+  _concrete("to_torch_state_dict", params)
   _spec.check_bool("as_tensors", as_tensors)
   out = {}
   for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
@@ -229,7 +273,7 @@ def from_torch_state_dict(spec, state_dict: Mapping[str, Any]):
                for k, shape in zip(keys, expected)]
       if not biased:  # bias=False: zero biases compute the same function
         parts += [np.zeros(rows, parts[0].dtype)] * 2
-      W, R, bW, bR = (np.split(p, g) for p in parts)
+      W, R, bW, bR = (_split(p, g) for p in parts)
       if not spec.layer_has_input_weights(layer):
         _check_skip_identity(spec, W, keys[0])
       per[layer, d] = (W, R, bW, bR)
@@ -259,6 +303,7 @@ def flax_linen_cell(spec, cell: str = "LSTMCell"):
 @_spec.takes_spec
 def to_flax_linen_cells(spec, params) -> list[list[dict]]:
   """Flax linen cell params `[layer][direction]` (each `{"kernel"...}` trees under cell names)."""
+  _concrete("to_flax_linen_cells", params)
   out = [[None] * spec.num_dirs for _ in range(spec.num_layers)]
   for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
     W = _identity_inputs(spec) if W is None else W
@@ -301,15 +346,15 @@ def from_flax_linen_cells(spec, cells: Sequence[Sequence[Mapping]]):
           W = [k(f"i{q}") for q in _LSTM_GATES]
           R = [k(f"h{q}") for q in _LSTM_GATES]
           bW = [b(f"h{q}") for q in _LSTM_GATES]
-          bR = [np.zeros_like(x) for x in bW]
+          bR = [_zeros_like(x) for x in bW]
         elif spec.rnn_mode == "gru":
           W = [k("ir"), k("iz"), k("in")]
           R = [k("hr"), k("hz"), k("hn")]
           bW = [b("ir"), b("iz"), b("in")]
-          bR = [np.zeros_like(bW[0]), np.zeros_like(bW[1]), b("hn")]
+          bR = [_zeros_like(bW[0]), _zeros_like(bW[1]), b("hn")]
         else:
           W, R, bW = [k("i")], [k("h")], [b("i")]
-          bR = [np.zeros_like(bW[0])]
+          bR = [_zeros_like(bW[0])]
       except KeyError as e:
         inside = _paths_to(cell, e.args[0])
         hint = (f"; it holds {'one' if len(inside) == 1 else 'some'} at {', '.join(inside)}: "
@@ -418,12 +463,12 @@ def _from_nnx_tree(kind, tree, g, units):
     for name in ("dense_i", "dense_h"):
       if tree[name]["kernel"].shape[-1] != g * units:
         raise ValueError(name)
-    W = np.split(tree["dense_i"]["kernel"].T, g)
-    R = np.split(tree["dense_h"]["kernel"].T, g)
-    bW = np.split(tree["dense_h" if kind == "OptimizedLSTMCell" else "dense_i"]["bias"], g)
+    kernel_i, kernel_h = tree["dense_i"]["kernel"].T, tree["dense_h"]["kernel"].T
+    bias = tree["dense_h" if kind == "OptimizedLSTMCell" else "dense_i"]["bias"]
+    W, R, bW = _split(kernel_i, g), _split(kernel_h, g), _split(bias, g)
   if any(r.shape != (units, units) for r in R):
     raise ValueError("R")
-  return W, R, bW, [np.zeros_like(b) for b in bW]
+  return W, R, bW, [_zeros_like(b) for b in bW]
 
 
 @_spec.takes_spec
@@ -436,6 +481,7 @@ def to_flax_nnx_cells(spec, params, cell: str | None = None) -> list[list[Any]]:
   RNNs give `nnx.SimpleCell` with the matching activation. Run them with
   `nnx.RNN(cell)` (the backward direction with `reverse=True, keep_order=True`).
   """
+  _concrete("to_flax_nnx_cells", params)
   nnx = _requirements.optional_import("flax.nnx", "interop.to_flax_nnx_cells")
   kind = _nnx_cell_kind(spec, cell)
   out = [[None] * spec.num_dirs for _ in range(spec.num_layers)]
@@ -479,7 +525,7 @@ def from_flax_nnx_cells(spec, cells: Sequence[Sequence[Any]]):
                            f"{'one' if len(inside) == 1 else 'some'} at {', '.join(inside)}: "
                            "pass the cell itself (an nnx.RNN's is its .cell)")
       tree = jax.tree_util.tree_map_with_path(
-          lambda path, leaf: _np(where + jax.tree_util.keystr(path), leaf), tree)
+          lambda path, leaf: _array(where + jax.tree_util.keystr(path), leaf), tree)
       kind = "LSTMCell" if spec.rnn_mode == "lstm" and "ii" in tree else \
           _NNX_CELLS[spec.rnn_mode][-1]
       try:
@@ -507,6 +553,7 @@ def to_keras_weights(spec, params) -> list[list[list[np.ndarray]]]:
 
   For GRU the layer must be `GRU(reset_after=True)` (bias shape `[2, 3H]`).
   """
+  _concrete("to_keras_weights", params)
   order = _KERAS_ORDER[spec.rnn_mode]
   out = [[None] * spec.num_dirs for _ in range(spec.num_layers)]
   for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
@@ -547,10 +594,10 @@ def from_keras_weights(spec, weights: Sequence[Sequence[Sequence[Any]]]):
       gates = f"({g} gates of {spec.num_units} units) for {spec}"
       kernel = _shaped(f"{where} kernel", kernel, (spec.layer_input_size(layer), cols), gates)
       recurrent = _shaped(f"{where} recurrent_kernel", recurrent, (spec.num_units, cols), gates)
-      bias = (_np(f"{where} bias", bias)
+      bias = (_array(f"{where} bias", bias)
               if spec.rnn_mode == "gru"  # its own check below names reset_after
               else _shaped(f"{where} bias", bias, (cols,), f"for {spec}"))
-      split = lambda m: [np.split(m, g, axis=-1)[j] for j in inverse]
+      split = lambda m: [_split(m, g, axis=-1)[j] for j in inverse]
       W = [w.T for w in split(kernel)]
       R = [r.T for r in split(recurrent)]
       if spec.rnn_mode == "gru":
@@ -561,7 +608,7 @@ def from_keras_weights(spec, weights: Sequence[Sequence[Sequence[Any]]]):
         bW, bR = split(bias[0]), split(bias[1])
       else:
         bW = split(bias)
-        bR = [np.zeros_like(x) for x in bW]
+        bR = [_zeros_like(x) for x in bW]
       if not spec.layer_has_input_weights(layer):
         _check_skip_identity(spec, W, f"weights[0][{d}] kernel")
       per[layer, d] = (W, R, bW, bR)
@@ -619,6 +666,7 @@ def to_tf1_checkpoint(spec, params, *, scope: str | None = None) -> dict[str, np
 
   Under skip_input, layer 0's kernel holds identity input rows (what cuDNN applies).
   """
+  _concrete("to_tf1_checkpoint", params)
   weights, biases = {}, {}
   for (layer, d), (W, R, bW, bR) in _per_direction(spec, params).items():
     W = _identity_inputs(spec) if W is None else W
@@ -667,7 +715,7 @@ def from_tf1_checkpoint(spec, tensors: Mapping[str, Any], *, scope: str | None =
   H, g = spec.num_units, spec.num_gates
 
   def get(name, shape):
-    value = _np(f"tensors[{name!r}]", tensors[name])
+    value = _array(f"tensors[{name!r}]", tensors[name])
     if value.shape != shape:
       raise ValueError(f"tensors[{name!r}] must have shape {shape}, got {value.shape}")
     return value
@@ -683,14 +731,14 @@ def from_tf1_checkpoint(spec, tensors: Mapping[str, Any], *, scope: str | None =
         gates = get(gates_k, (in_size + H, 2 * H)).T
         W = [gates[:H, :in_size], gates[H:, :in_size], get(input_k, (in_size, H)).T]
         R = [gates[:H, in_size:], gates[H:, in_size:], get(hidden_k, (H, H)).T]
-        summed = np.split(get(gates_b, (2 * H,)), 2)
+        summed = _split(get(gates_b, (2 * H,)), 2)
         bW = [summed[0] / 2, summed[1] / 2, get(input_b, (H,))]
         bR = [summed[0] / 2, summed[1] / 2, get(hidden_b, (H,))]
       else:
         order = _TF1_LSTM_ORDER if spec.rnn_mode == "lstm" else [0]
         inverse = np.argsort(order)
-        blocks = np.split(get(f"{prefix}/kernel", (in_size + H, g * H)).T, g)
-        summed = np.split(get(f"{prefix}/bias", (g * H,)), g)
+        blocks = _split(get(f"{prefix}/kernel", (in_size + H, g * H)).T, g)
+        summed = _split(get(f"{prefix}/bias", (g * H,)), g)
         W = [blocks[j][:, :in_size] for j in inverse]
         R = [blocks[j][:, in_size:] for j in inverse]
         bW = bR = [summed[j] / 2 for j in inverse]
@@ -748,6 +796,7 @@ def to_jax_experimental_rnn(spec, params) -> np.ndarray:
   In `spec.dtype`: `jax.experimental.rnn` itself computes in float32 only.
   Under `skip_input`, layer 0's input matrices are written as identities.
   """
+  _concrete("to_jax_experimental_rnn", params)
   twin = _jax_rnn_twin(spec, "to_jax_experimental_rnn")
   if twin == spec:  # the same layout: nothing moves
     return np.array(_params._check_params(spec, params))
