@@ -16,6 +16,13 @@ is the "xla" path's under `implementation=None` and an error under "cudnn"
 (`_symbolic`). An export for CUDA holds the cuDNN calls
 (`_cudnn.export_disabled_checks`, `_cudnn.register_ffi_targets`).
 
+A call (eager, or under an eager `grad` or `vmap`) whose arrays lie on
+different devices (one `jax.device_put` to another device than the rest) is
+a `ValueError` naming the arguments and their devices. JAX's own error names
+this module's inner names, or a zero state made here that the caller never
+passed (`_devices_message`). The devices are asked only once JAX has refused,
+so that a call pays nothing for them.
+
 Where DESIGN §2 has `implementation=None` pick cuDNN on a CUDA device, a call
 of one step (decoding a token at a time) runs the "xla" path instead
 (`one_step_on_xla`, which says why): cuDNN's fixed cost per call is more than
@@ -227,8 +234,34 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
   # policy changed between two eager calls is not answered by the program
   # traced under the old one (and a bad value is refused at every call).
   policy = None if backend == "xla" else _cudnn.algorithm_policy()
-  y, h, c = run(spec, backend, apply_dropout, bool(time_major), policy, *operands)
+  try:
+    y, h, c = run(spec, backend, apply_dropout, bool(time_major), policy, *operands)
+  except ValueError as e:
+    message = _devices_message(operands) if "incompatible devices" in str(e) else None
+    if message is None:
+      raise
+    raise ValueError(message) from e
   return (y, h, c) if spec.has_cell_state else (y, h)
+
+
+_ARGUMENTS = ("input_data", "input_h", "input_c", "params", "seq_lengths", "dropout_key")
+
+
+def _devices_message(operands) -> str | None:
+  """Where the operands a caller placed (committed arrays: `jax.device_put`,
+  or results of computations there; under an eager `grad` or `vmap`, the
+  values traced) lie on different devices, which no one computation can
+  take, a message naming each with its devices; else None. Arrays JAX placed
+  by default (numpy converted, zero states made here) follow the others, so
+  they are left out, as are a `jit`'s tracers, which have no devices."""
+  values = {name: _value(a) for name, a in zip(_ARGUMENTS, operands)}
+  placed = {name: sorted(a.sharding.device_set, key=lambda d: d.id)
+            for name, a in values.items() if isinstance(a, jax.Array) and a.committed}
+  if len({tuple(devices) for devices in placed.values()}) < 2:
+    return None
+  where = ", ".join(f"{name} on {devices}" for name, devices in placed.items())
+  return (f"the arrays of one call must lie on the same devices, got {where} "
+          "(move them with jax.device_put; arrays not put anywhere follow the others)")
 
 
 def _dispatch(spec, backend, apply_dropout, time_major, policy, x, h0, c0, params, lengths,
@@ -285,11 +318,17 @@ _compiled_transformed_dispatch = jax.jit(_dispatch, static_argnums=(0, 1, 2, 3, 
 _WRAPPED = {"JVPTracer": "primal", "LinearizeTracer": "primal", "BatchTracer": "val"}
 
 
+def _value(operand):
+  """The value `operand` holds: itself, or where it is differentiation's or
+  `vmap`'s tracer over a value (an operand of a transformation applied
+  outside `jit`), that value; else None (a `jit`'s or `jax.checkpoint`'s
+  tracer, or a tracer of a JAX that keeps its values elsewhere)."""
+  while isinstance(operand, jax.core.Tracer):
+    operand = getattr(operand, _WRAPPED.get(type(operand).__name__, ""), None)
+  return operand if isinstance(operand, (jax.Array, np.ndarray)) else None
+
+
 def _has_value(tracer) -> bool:
-  """Whether `tracer` is differentiation's or `vmap`'s, over a value: an
-  operand of a transformation applied outside `jit`. Any other tracer (a
-  `jit`'s, `jax.checkpoint`'s) says no, and so does a JAX whose tracers keep
-  their values elsewhere: the call is then traced as under `jit`."""
-  while isinstance(tracer, jax.core.Tracer):
-    tracer = getattr(tracer, _WRAPPED.get(type(tracer).__name__, ""), None)
-  return isinstance(tracer, (jax.Array, np.ndarray))
+  """Whether `tracer` holds a value (`_value`): where not, the call is traced
+  as under `jit`."""
+  return _value(tracer) is not None

@@ -456,3 +456,44 @@ def test_checkpoint_restores_replicated_or_split(tmp_path):
       with pytest.raises(ValueError, match=rf"sharding: .* cannot place the parameter buffer "
                                            rf"of shape \({params.shape[0]},\)"):
         restore(split)
+
+
+ARGUMENTS = ["input_data", "input_h", "input_c", "params", "seq_lengths", "dropout_key"]
+
+
+@pytest.mark.parametrize("transform", ["eager", "grad", "vmap"])
+@pytest.mark.parametrize("moved", ARGUMENTS)
+def test_an_argument_on_another_device_is_named(moved, transform):
+  """The arguments put on device 1 but one, put on device 0: JAX's error named
+  `_dispatch`'s arguments (`x`, `lengths`), or a zero state the caller never
+  passed; ours names the caller's arguments and their devices. All on device
+  1, the call runs there and gives what it gives on the default device."""
+  spec = jcr.CudnnLSTM(2, 4, 3, dropout=0.5, **F64)
+  d0, d1 = jax.devices()[:2]
+  x, h, c = random_inputs(spec, T, 3)
+  given = dict(input_data=x, params=spec.init_params(jax.random.key(0)),
+               seq_lengths=np.array([T, 2, 1], np.int32), dropout_key=jax.random.key(1))
+  if moved in ("input_h", "input_c"):  # else None: zeros the library makes
+    given |= dict(input_h=h, input_c=c)
+
+  def run(arrays):
+    def loss(params):
+      y, *_ = spec(arrays["input_data"], arrays.get("input_h"), arrays.get("input_c"), params,
+                   seq_lengths=arrays["seq_lengths"], dropout_key=arrays["dropout_key"])
+      return (y ** 2).sum()
+    if transform == "grad":
+      return jax.grad(loss)(arrays["params"])
+    if transform == "vmap":
+      return jax.vmap(loss)(arrays["params"][None])
+    return loss(arrays["params"])
+
+  on_one = {k: jax.device_put(v, d1) for k, v in given.items()}
+  got = run(on_one)
+  assert got.devices() == {d1}
+  np.testing.assert_allclose(got, run(given), rtol=1e-12)
+  with pytest.raises(ValueError, match=(
+      r"^the arrays of one call must lie on the same devices, got .*"
+      + rf"{moved} on \[CpuDevice\(id=0\)\]")) as raised:
+    run(on_one | {moved: jax.device_put(given[moved], d0)})
+  named = {name for name in ARGUMENTS if f"{name} on [CpuDevice(id=1)]" in str(raised.value)}
+  assert named == set(given) - {moved}, str(raised.value)
