@@ -105,7 +105,11 @@ def run(spec, params, inputs, initial_carry, *, seq_lengths, dropout_key, traini
               for i, (n, a) in enumerate(zip("hc", initial_carry)))
   else:
     h0, c0 = _carry(spec, "initial_carry", initial_carry, inputs, time_major), None
+  carry = (("initial_carry[0] (h)", "initial_carry[1] (c)") if spec.has_cell_state
+           else ("initial_carry", None))
   out = spec._run(inputs, h0, c0, params, training, seq_lengths=seq_lengths,
-                  dropout_key=dropout_key, time_major=time_major, implementation=implementation)
+                  dropout_key=dropout_key, time_major=time_major, implementation=implementation,
+                  argument_names=("inputs", *carry, "opaque_params", "seq_lengths",
+                                  "the dropout key"))
   outputs, carry = out[0], (tuple(out[1:]) if spec.has_cell_state else out[1])
   return (carry, outputs) if return_carry else outputs

@@ -165,9 +165,16 @@ def resolve_implementation(implementation):
   return "auto" if available else "xla"
 
 
+ARGUMENTS = ("input_data", "input_h", "input_c", "params", "seq_lengths", "dropout_key")
+
+
 def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
-        seq_lengths=None, dropout_key=None, time_major=True, implementation=None):
-  """Validates the call of `spec` and runs it; see the spec's `__call__`."""
+        seq_lengths=None, dropout_key=None, time_major=True, implementation=None,
+        argument_names=ARGUMENTS):
+  """Validates the call of `spec` and runs it; see the spec's `__call__`.
+
+  `argument_names`: what the devices' error calls the six arrays (the Flax
+  modules' own terms, `_adapter.run`)."""
   if not isinstance(is_training, (bool, np.bool_)):
     raise TypeError(
         f"is_training must be a Python bool, got {type(is_training).__name__}"
@@ -237,24 +244,22 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
   try:
     y, h, c = run(spec, backend, apply_dropout, bool(time_major), policy, *operands)
   except ValueError as e:
-    message = _devices_message(operands) if "incompatible devices" in str(e) else None
+    message = (_devices_message(operands, argument_names) if "incompatible devices" in str(e)
+               else None)
     if message is None:
       raise
     raise ValueError(message) from e
   return (y, h, c) if spec.has_cell_state else (y, h)
 
 
-_ARGUMENTS = ("input_data", "input_h", "input_c", "params", "seq_lengths", "dropout_key")
-
-
-def _devices_message(operands) -> str | None:
+def _devices_message(operands, names) -> str | None:
   """Where the operands a caller placed (committed arrays: `jax.device_put`,
   or results of computations there; under an eager `grad` or `vmap`, the
   values traced) lie on different devices, which no one computation can
   take, a message naming each with its devices; else None. Arrays JAX placed
   by default (numpy converted, zero states made here) follow the others, so
   they are left out, as are a `jit`'s tracers, which have no devices."""
-  values = {name: _value(a) for name, a in zip(_ARGUMENTS, operands)}
+  values = {name: _value(a) for name, a in zip(names, operands)}
   placed = {name: sorted(a.sharding.device_set, key=lambda d: d.id)
             for name, a in values.items() if isinstance(a, jax.Array) and a.committed}
   if len({tuple(devices) for devices in placed.values()}) < 2:

@@ -497,3 +497,27 @@ def test_an_argument_on_another_device_is_named(moved, transform):
     run(on_one | {moved: jax.device_put(given[moved], d0)})
   named = {name for name in ARGUMENTS if f"{name} on [CpuDevice(id=1)]" in str(raised.value)}
   assert named == set(given) - {moved}, str(raised.value)
+
+
+def test_the_flax_modules_name_their_own_arguments_on_other_devices():
+  """As above, in the modules' terms: `inputs`, `initial_carry`, `opaque_params`."""
+  from flax import nnx
+  from jax_cudnn_rnn import nnx as jcr_nnx
+  d0, d1 = jax.devices()[:2]
+  x = jax.device_put(jnp.ones((3, T, 2)), d0)
+  carry = jax.device_put(jnp.zeros((1, 3, 4)), d0)
+  module = linen.GRU(4)
+  variables = jax.device_put(module.init(jax.random.key(0), x), d1)
+  expected = (r"^the arrays of one call must lie on the same devices, got inputs on "
+              r"\[CpuDevice\(id=0\)\], initial_carry on \[CpuDevice\(id=0\)\], opaque_params on "
+              r"\[CpuDevice\(id=1\)\]")
+  with pytest.raises(ValueError, match=expected):
+    module.apply(variables, x, carry)
+  model = jcr_nnx.LSTM(2, 4, rngs=nnx.Rngs(0))
+  nnx.update(model, jax.device_put(nnx.state(model), d1))
+  with pytest.raises(ValueError, match=r"got inputs on \[CpuDevice\(id=0\)\], initial_carry\[0\] "
+                                       r"\(h\) on \[CpuDevice\(id=0\)\], initial_carry\[1\] \(c\) "
+                                       r"on \[CpuDevice\(id=0\)\], opaque_params on "):
+    model(x, (carry, carry))
+  np.testing.assert_allclose(model(jax.device_put(x, d1)),
+                             model(np.asarray(x)), rtol=1e-6)
