@@ -7,6 +7,7 @@ in `_layout`.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import numpy as np
@@ -75,19 +76,30 @@ def _check_dtype_available(spec, what: str) -> None:
     raise TypeError(f"{what} would make a float32 buffer for this float64 spec: {X64_HINT}")
 
 
+@functools.cache
+def _raw_key_shape(impl: str) -> tuple[int, ...]:
+  """The shape of a raw key (`jax.random.PRNGKey`'s) of the PRNG `impl`:
+  `(2,)` for threefry2x32, JAX's default, `(4,)` for "rbg" and "unsafe_rbg"."""
+  return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
+
+
 def check_key(name: str, key):
   """`key` as `jax.random` takes a single key: a typed key (`jax.random.key`,
-  shape `()`) or a raw one (`jax.random.PRNGKey`, `uint32` of shape `(2,)`);
+  shape `()`) or a raw one (`jax.random.PRNGKey`: `uint32` of the shape of
+  the default PRNG's keys, `(2,)` but under `jax_default_prng_impl="rbg"`);
   not an integer seed, not a batch of keys. Returns it unchanged."""
   dtype = getattr(key, "dtype", None)
   if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     if key.shape != ():
       raise ValueError(f"{name} must be a single PRNG key, got shape {key.shape}")
     return key
-  if dtype is None or np.dtype(dtype) != np.uint32 or tuple(key.shape) != (2,):
+  impl = str(jax.config.jax_default_prng_impl)
+  raw = _raw_key_shape(impl)
+  if dtype is None or np.dtype(dtype) != np.uint32 or tuple(key.shape) != raw:
     got = (type(key).__name__ if dtype is None else
            f"an array of dtype {np.dtype(dtype).name} and shape {tuple(key.shape)}")
-    raise TypeError(f"{name} must be a PRNG key (jax.random.key(seed)), got {got}")
+    raise TypeError(f"{name} must be a PRNG key (jax.random.key(seed), or a raw uint32{list(raw)} "
+                    f"of the default PRNG, {impl}), got {got}")
   return key
 
 

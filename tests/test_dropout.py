@@ -115,3 +115,34 @@ def test_keep_mask_is_the_documented_formula_under_jit_and_any_int_shape():
   traced = jax.jit(lambda k: jcr.dropout_keep_mask(k, 2, [7, 5, 6], np.float32(0.4)))(key)
   np.testing.assert_array_equal(traced, want)
   assert 0.5 < float(want.mean()) < 0.7
+
+
+def test_raw_keys_of_the_default_prng_are_taken_as_jax_random_takes_them():
+  """Under `jax_default_prng_impl="rbg"` (common on accelerators)
+  `jax.random.PRNGKey` gives a uint32[4]: `init_params`, a dropout call and
+  the Flax modules take it, as `jax.random` does, and draw what the typed key
+  of its data draws; a uint32[2] is then no key, as it is not to JAX."""
+  from flax import nnx
+  from jax_cudnn_rnn import linen, nnx as jcr_nnx
+  spec = jcr.CudnnGRU(2, 4, 3, dropout=0.5)
+  x, h, _ = random_inputs(spec, 5, 2)
+  with jax.default_prng_impl("rbg"):
+    raw = jax.random.PRNGKey(3)
+    assert raw.shape == (4,) and raw.dtype == jnp.uint32
+    typed = jax.random.wrap_key_data(raw, impl="rbg")
+    params = spec.init_params(raw)
+    np.testing.assert_array_equal(params, spec.init_params(typed))
+    y = spec(x, h, params, dropout_key=raw)[0]
+    np.testing.assert_array_equal(y, spec(x, h, params, dropout_key=typed)[0])
+    assert not np.allclose(y, spec(x, h, params, is_training=False)[0])  # something dropped
+    module = linen.GRU(4, num_layers=2, dropout_rate=0.5)
+    variables = module.init(raw, x, deterministic=True)
+    np.testing.assert_array_equal(
+        module.apply(variables, x, deterministic=False, rngs={"dropout": raw}),
+        module.apply(variables, x, deterministic=False, rngs={"dropout": typed}))
+    model = jcr_nnx.GRU(3, 4, num_layers=2, dropout_rate=0.5, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(model(x, rngs=raw), model(x, rngs=typed))
+    with pytest.raises(TypeError, match=r"^dropout_key must be a PRNG key \(jax.random.key\(seed\), "
+                                        r"or a raw uint32\[4\] of the default PRNG, rbg\), got an "
+                                        r"array of dtype uint32 and shape \(2,\)$"):
+      spec(x, h, params, dropout_key=np.zeros(2, np.uint32))

@@ -133,7 +133,8 @@ def test_conversion_errors():
     (jnp.zeros(2, jnp.float32), r"an array of dtype float32 and shape \(2,\)"),
     (np.zeros(3, np.uint32), r"an array of dtype uint32 and shape \(3,\)")])
 def test_init_params_needs_a_prng_key(key, got):
-  with pytest.raises(TypeError, match=r"^key must be a PRNG key \(jax.random.key\(seed\)\), "
+  with pytest.raises(TypeError, match=r"^key must be a PRNG key \(jax.random.key\(seed\), or a raw "
+                                      r"uint32\[2\] of the default PRNG, threefry2x32\), "
                                       f"got {got}$"):
     jcr.CudnnGRU(1, 4, 3).init_params(key)
 

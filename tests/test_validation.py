@@ -88,7 +88,8 @@ def test_dropout_needs_a_key_when_training():
   x, h, params = _good(spec)
   with pytest.raises(ValueError, match="dropout_key is required"):
     spec(x, h, params, is_training=True)
-  with pytest.raises(TypeError, match=r"^dropout_key must be a PRNG key \(jax.random.key\(seed\)\), "
+  with pytest.raises(TypeError, match=r"^dropout_key must be a PRNG key \(jax.random.key\(seed\), "
+                                      r"or a raw uint32\[2\] of the default PRNG, threefry2x32\), "
                                       r"got int$"):
     spec(x, h, params, is_training=True, dropout_key=3)
   with pytest.raises(ValueError, match=r"^dropout_key must be a single PRNG key, got shape \(2,\)$"):
