@@ -11,7 +11,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _reference, _xla
+from jax_cudnn_rnn import _ops, _reference, _xla
 from helpers import SPEC_CLASSES, call, random_inputs, same_under
 
 
@@ -82,6 +82,40 @@ def test_eager_calls_compile_once_per_shape(cls, xla_traces):
   # Traced calls trace the recurrence in the caller's trace, as before.
   jax.jit(lambda x: call(spec, x, None, None, params))(random_inputs(spec, 4, 2)[0])
   assert traces == [(4, 2, 2), (6, 2, 2), (4, 2, 2)]
+
+
+def test_eager_programs_are_dropped_past_half_the_mappings_linux_allows(xla_traces, tmp_path,
+                                                                        monkeypatch):
+  """Where the process holds more than half the memory mappings Linux allows
+  (`vm.max_map_count`; here a stand-in limit of 2, which any process passes),
+  a call that compiled a program drops the dispatch `jit`s' programs, so that
+  eager calls over many shapes cannot exhaust them (past the limit XLA's
+  compiler crashes the process): a shape seen before compiles again, to the
+  same values. Calls that compile nothing do not read the mappings."""
+  spec, params, x, h, _ = _setup(jcr.CudnnGRU)
+  dispatch, transformed = _ops._compiled_dispatch, _ops._compiled_transformed_dispatch
+  reads = []
+  past_half = _ops._mappings_past_half
+  monkeypatch.setattr(_ops, "_mappings_past_half", lambda: reads.append(1) or past_half())
+  limit = tmp_path / "max_map_count"
+  monkeypatch.setattr(_ops, "MAX_MAP_COUNT", str(limit))
+  limit.write_text(f"{10 ** 12}\n")  # never reached: programs are kept
+  first = call(spec, x, h, None, params)
+  call(spec, x, h, None, params)
+  assert (xla_traces, dispatch._cache_size(), len(reads)) == ([(4, 2, 2)], 1, 1)
+  limit.write_text("2\n")
+  call(spec, np.ones((6, 2, 2)), h, None, params)  # compiled, then dropped
+  assert (xla_traces, dispatch._cache_size(), len(reads)) == ([(4, 2, 2), (6, 2, 2)], 0, 2)
+  again = call(spec, x, h, None, params)
+  assert xla_traces[-1] == (4, 2, 2) and len(xla_traces) == 3
+  for a, b in zip(again, first):
+    if a is not None:
+      np.testing.assert_array_equal(a, b)
+  jax.grad(lambda p: call(spec, x, h, None, p)[0].sum())(params)  # an eager transformation
+  assert (dispatch._cache_size(), transformed._cache_size()) == (0, 0)
+  limit.unlink()  # a limit that cannot be read: nothing is dropped
+  call(spec, x, h, None, params)
+  assert dispatch._cache_size() == 1
 
 
 @pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])  # the dispatch is mode-blind
