@@ -597,7 +597,11 @@ def from_keras_weights(spec, weights: Sequence[Sequence[Sequence[Any]]]):
       bias = (_array(f"{where} bias", bias)
               if spec.rnn_mode == "gru"  # its own check below names reset_after
               else _shaped(f"{where} bias", bias, (cols,), f"for {spec}"))
-      split = lambda m: [_split(m, g, axis=-1)[j] for j in inverse]
+
+      def split(m):  # into gates, in cuDNN's order
+        parts = _split(m, g, axis=-1)
+        return [parts[j] for j in inverse]
+
       W = [w.T for w in split(kernel)]
       R = [r.T for r in split(recurrent)]
       if spec.rnn_mode == "gru":

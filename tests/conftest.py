@@ -13,7 +13,11 @@ Each test starts with empty caches of compiled eager calls
 (`_ops._compiled_dispatch`, `_ops._compiled_transformed_dispatch`): tests stand
 models in for cuDNN and patch what a trace reads (`handler_model.py`), and an
 eager call must trace under the patches of its own test, not run a program
-compiled under another's.
+compiled under another's. Nor are those caches dropped as the process's
+memory mappings grow (`_ops._bound_programs`, which reads the limit from
+`_ops.MAX_MAP_COUNT`, here a path that does not exist): a test that counts
+its traces would otherwise count again whenever the suite's own programs held
+half the limit. `test_transforms.py` tests the bound with a limit of its own.
 
 After each test file, JAX's caches are cleared (`jax.clear_caches`), releasing
 the programs it compiled: one process runs the whole suite, and under the
@@ -44,9 +48,10 @@ if jax.default_backend() == "gpu":
 
 
 @pytest.fixture(autouse=True)
-def _fresh_eager_cache():
+def _fresh_eager_cache(monkeypatch):
   _ops._compiled_dispatch.clear_cache()
   _ops._compiled_transformed_dispatch.clear_cache()
+  monkeypatch.setattr(_ops, "MAX_MAP_COUNT", "/nonexistent/max_map_count")
   yield
 
 
