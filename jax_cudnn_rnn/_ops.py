@@ -20,7 +20,7 @@ A call (eager, or under an eager `grad` or `vmap`) whose arrays lie on
 different devices (one `jax.device_put` to another device than the rest) is
 a `ValueError` naming the arguments and their devices. JAX's own error names
 this module's inner names, or a zero state made here that the caller never
-passed (`_devices_message`). The devices are asked only once JAX has refused,
+passed (`_raise_where_devices_differ`). The devices are asked only once JAX has refused,
 so that a call pays nothing for them.
 
 An eager call compiles a program for each new shape, which the two dispatch
@@ -213,6 +213,10 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     c0 = None
   params = _params._check_params(spec, params)
   lengths = _check_seq_lengths(seq_lengths, batch, steps)
+  # What the caller gave, which an error about devices names (zero states made
+  # here are none of theirs, though under `jax.set_mesh` they lie on its mesh).
+  given = (x, None if input_h is None else h0, None if input_c is None else c0, params,
+           lengths, dropout_key)
   # Data parallelism under explicit sharding: every operand is split by the
   # data's batch alone (`_partition.batch_like`): the states and lengths
   # follow it (zeros made above have none of their own), and any other split
@@ -221,10 +225,14 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
   # call, once 2.4; session 75.)
   if _partition.explicitly_sharded(x):
     data_axis = 1 if time_major else 0
-    h0, c0 = (_partition.batch_like(s, 1, x, data_axis) for s in (h0, c0))
-    lengths = _partition.batch_like(lengths, 0, x, data_axis)
-    params = _partition.batch_like(params, None, x, data_axis)
-    x = _partition.batch_like(x, data_axis, x, data_axis)
+    try:
+      h0, c0 = (_partition.batch_like(s, 1, x, data_axis) for s in (h0, c0))
+      lengths = _partition.batch_like(lengths, 0, x, data_axis)
+      params = _partition.batch_like(params, None, x, data_axis)
+      x = _partition.batch_like(x, data_axis, x, data_axis)
+    except ValueError as e:
+      _raise_where_devices_differ(e, given, argument_names)
+      raise
   apply_dropout = bool(is_training) and _dropout.drops(spec)
   if apply_dropout and dropout_key is None:
     raise ValueError(f"dropout_key is required when is_training=True and dropout="
@@ -254,31 +262,30 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
   try:
     y, h, c = run(spec, backend, apply_dropout, bool(time_major), policy, *operands)
   except ValueError as e:
-    message = (_devices_message(operands, argument_names) if "incompatible devices" in str(e)
-               else None)
-    if message is None:
-      raise
-    raise ValueError(message) from e
+    _raise_where_devices_differ(e, given, argument_names)
+    raise
   if run is not _dispatch:
     _bound_programs(run)
   return (y, h, c) if spec.has_cell_state else (y, h)
 
 
-def _devices_message(operands, names) -> str | None:
+def _raise_where_devices_differ(error: ValueError, operands, names) -> None:
   """Where the operands a caller placed (committed arrays: `jax.device_put`,
   or results of computations there; under an eager `grad` or `vmap`, the
   values traced) lie on different devices, which no one computation can
-  take, a message naming each with its devices; else None. Arrays JAX placed
-  by default (numpy converted, zero states made here) follow the others, so
+  take, raises a ValueError naming each with its devices, from `error` (what
+  JAX raised: it names inner arguments); else returns. Arrays JAX placed by
+  default (numpy converted, zero states made here) follow the others, so
   they are left out, as are a `jit`'s tracers, which have no devices."""
   values = {name: _value(a) for name, a in zip(names, operands)}
   placed = {name: sorted(a.sharding.device_set, key=lambda d: d.id)
             for name, a in values.items() if isinstance(a, jax.Array) and a.committed}
   if len({tuple(devices) for devices in placed.values()}) < 2:
-    return None
+    return
   where = ", ".join(f"{name} on {devices}" for name, devices in placed.items())
-  return (f"the arrays of one call must lie on the same devices, got {where} "
-          "(move them with jax.device_put; arrays not put anywhere follow the others)")
+  raise ValueError(f"the arrays of one call must lie on the same devices, got {where} (move "
+                   "them with jax.device_put; arrays not put anywhere follow the others)"
+                   ) from error
 
 
 def _dispatch(spec, backend, apply_dropout, time_major, policy, x, h0, c0, params, lengths,

@@ -117,7 +117,9 @@ def batch_like(array, axis: int | None, like, like_axis: int):
 
   The initial states a caller leaves out are zeros with no sharding of their
   own, and a `lax.scan` whose carry starts replicated and comes back split by
-  batch is refused; so the states and lengths follow the data's batch. Any
+  batch is refused; so the states and lengths follow the data's batch. In an
+  eager call, an array JAX placed by default (uncommitted) is put on the
+  data's mesh, which `reshard` refuses outside `jax.set_mesh`. Any
   other split is undone (gathered): the "xla" path's scan cannot run over a
   time axis split across devices, nor its products and slices over weights,
   states or units split so (JAX refuses each at trace time), and the cuDNN
@@ -131,6 +133,13 @@ def batch_like(array, axis: int | None, like, like_axis: int):
   own = _explicit(array)
   if own is not None and _axes(own[1], array.ndim) == _axes(target, array.ndim):
     return array
+  if (not isinstance(array, jax.core.Tracer) and not getattr(array, "committed", True)
+      and isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer)):
+    # Eager, and placed by default (zeros made here, a converted NumPy
+    # array): it follows the data onto its devices (the concrete mesh of
+    # `like`'s sharding; its type's is abstract), as JAX's own eager ops move
+    # it. `reshard` refuses it outside `jax.set_mesh` (its device is not the mesh).
+    return jax.device_put(array, NamedSharding(like.sharding.mesh, target))
   return jax.sharding.reshard(array, NamedSharding(mesh, target))
 
 

@@ -521,3 +521,49 @@ def test_the_flax_modules_name_their_own_arguments_on_other_devices():
     model(x, (carry, carry))
   np.testing.assert_allclose(model(jax.device_put(x, d1)),
                              model(np.asarray(x)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("devices", [DEVICES, 2])
+@pytest.mark.parametrize("mode", ["explicit", "explicit-unset"])
+@pytest.mark.parametrize("implementation", ["xla", "cudnn"])
+def test_eager_calls_on_an_explicit_mesh(request, implementation, mode, devices):
+  """Eager calls (no `jit`) with the data split over an explicit mesh (all
+  four devices, or two of them) and the states and weights not placed (None,
+  NumPy): those follow the data. `jax.sharding.reshard` refused them outside
+  `jax.set_mesh` ("Length of device assignment 1 is not equal to the size of
+  the mesh"); the values are one device's."""
+  if implementation == "cudnn":
+    request.getfixturevalue("model")
+  spec, options = CASES["lstm-2-layers-bidirectional"]
+  (x, h, c, params, _), _, _ = _problem(spec, options)
+  want = call(spec, x, None, None, params, implementation=implementation)
+  mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Explicit,),
+                       devices=jax.devices()[:devices])
+  with _in(mesh, mode):
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "data", None)))
+    got = call(spec, xs, None, None, params, implementation=implementation)
+    given = call(spec, xs, h, c, params, implementation=implementation)  # NumPy states
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14)
+    assert g.sharding.device_set == set(jax.devices()[:devices]), g.sharding
+  assert _spec_at(got[0], 1) == "data", got[0].sharding
+  np.testing.assert_allclose(given[0], call(spec, x, h, c, params, implementation=implementation)[0],
+                             rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", ["explicit", "explicit-unset"])
+def test_an_argument_off_an_explicit_mesh_is_named(mode):
+  """Weights the caller put on a device outside the data's explicit mesh: the
+  error is raised while the operands are split by batch (`batch_like`), and
+  names them, rather than JAX's "Length of device assignment 1 is not equal to
+  the size of the mesh 2 of aval f32[1,4@data,8]" (a zero state's)."""
+  spec, options = CASES["lstm-2-layers-bidirectional"]
+  (x, _, _, params, _), _, _ = _problem(spec, options)
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,),
+                       devices=jax.devices()[:2])
+  with _in(mesh, mode):
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "data", None)))
+    with pytest.raises(ValueError, match=r"^the arrays of one call must lie on the same "
+                                         r"devices, got input_data on \[CpuDevice\(id=0\), "
+                                         r"CpuDevice\(id=1\)\], params on \[CpuDevice\(id=3\)\]"):
+      call(spec, xs, None, None, jax.device_put(params, jax.devices()[3]))
