@@ -20,8 +20,8 @@ A call (eager, or under an eager `grad` or `vmap`) whose arrays lie on
 different devices (one `jax.device_put` to another device than the rest) is
 a `ValueError` naming the arguments and their devices. JAX's own error names
 this module's inner names, or a zero state made here that the caller never
-passed (`_raise_where_devices_differ`). The devices are asked only once JAX has refused,
-so that a call pays nothing for them.
+passed (`_raise_where_devices_differ`). The devices are asked only once JAX
+has refused, so that a call pays nothing for them.
 
 An eager call compiles a program for each new shape, which the two dispatch
 `jit`s below keep; on a CPU each program's kernels are mapped into memory one

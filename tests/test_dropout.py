@@ -142,7 +142,7 @@ def test_raw_keys_of_the_default_prng_are_taken_as_jax_random_takes_them():
         module.apply(variables, x, deterministic=False, rngs={"dropout": typed}))
     model = jcr_nnx.GRU(3, 4, num_layers=2, dropout_rate=0.5, rngs=nnx.Rngs(0))
     np.testing.assert_array_equal(model(x, rngs=raw), model(x, rngs=typed))
-    with pytest.raises(TypeError, match=r"^dropout_key must be a PRNG key \(jax.random.key\(seed\), "
-                                        r"or a raw uint32\[4\] of the default PRNG, rbg\), got an "
-                                        r"array of dtype uint32 and shape \(2,\)$"):
+    with pytest.raises(TypeError, match=r"^dropout_key must be a PRNG key \(jax.random.key\("
+                                        r"seed\), or a raw uint32\[4\] of the default PRNG, rbg\), "
+                                        r"got an array of dtype uint32 and shape \(2,\)$"):
       spec(x, h, params, dropout_key=np.zeros(2, np.uint32))
