@@ -51,6 +51,7 @@ if jax.default_backend() == "gpu":
 def _fresh_eager_cache(monkeypatch):
   _ops._compiled_dispatch.clear_cache()
   _ops._compiled_transformed_dispatch.clear_cache()
+  _ops._PROGRAMS.clear()  # the sizes `_bound_programs` last saw, now 0
   monkeypatch.setattr(_ops, "MAX_MAP_COUNT", "/nonexistent/max_map_count")
   yield
 
