@@ -84,6 +84,15 @@ def _carry(spec, name: str, value, inputs, time_major: bool):
   return state
 
 
+# What an error about devices calls the six arrays of a call (`_ops.rnn`), in
+# the modules' terms, by whether the model has a cell state.
+_NAMES = {
+    True: ("inputs", "initial_carry[0] (h)", "initial_carry[1] (c)", "opaque_params",
+           "seq_lengths", "the dropout key"),
+    False: ("inputs", "initial_carry", None, "opaque_params", "seq_lengths", "the dropout key"),
+}
+
+
 def run(spec, params, inputs, initial_carry, *, seq_lengths, dropout_key, training: bool,
         time_major: bool, implementation, return_carry: bool):
   """Runs `spec` (whose dtype is the compute dtype) on module-style arguments.
@@ -105,11 +114,8 @@ def run(spec, params, inputs, initial_carry, *, seq_lengths, dropout_key, traini
               for i, (n, a) in enumerate(zip("hc", initial_carry)))
   else:
     h0, c0 = _carry(spec, "initial_carry", initial_carry, inputs, time_major), None
-  carry = (("initial_carry[0] (h)", "initial_carry[1] (c)") if spec.has_cell_state
-           else ("initial_carry", None))
   out = spec._run(inputs, h0, c0, params, training, seq_lengths=seq_lengths,
                   dropout_key=dropout_key, time_major=time_major, implementation=implementation,
-                  argument_names=("inputs", *carry, "opaque_params", "seq_lengths",
-                                  "the dropout key"))
+                  argument_names=_NAMES[spec.has_cell_state])
   outputs, carry = out[0], (tuple(out[1:]) if spec.has_cell_state else out[1])
   return (carry, outputs) if return_carry else outputs

@@ -213,10 +213,6 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     c0 = None
   params = _params._check_params(spec, params)
   lengths = _check_seq_lengths(seq_lengths, batch, steps)
-  # What the caller gave, which an error about devices names (zero states made
-  # here are none of theirs, though under `jax.set_mesh` they lie on its mesh).
-  given = (x, None if input_h is None else h0, None if input_c is None else c0, params,
-           lengths, dropout_key)
   # Data parallelism under explicit sharding: every operand is split by the
   # data's batch alone (`_partition.batch_like`): the states and lengths
   # follow it (zeros made above have none of their own), and any other split
@@ -231,7 +227,8 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
       params = _partition.batch_like(params, None, x, data_axis)
       x = _partition.batch_like(x, data_axis, x, data_axis)
     except ValueError as e:
-      _raise_where_devices_differ(e, given, argument_names)
+      _raise_where_devices_differ(e, (x, h0, c0, params, lengths, dropout_key),
+                                  (input_h, input_c), argument_names)
       raise
   apply_dropout = bool(is_training) and _dropout.drops(spec)
   if apply_dropout and dropout_key is None:
@@ -262,21 +259,27 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
   try:
     y, h, c = run(spec, backend, apply_dropout, bool(time_major), policy, *operands)
   except ValueError as e:
-    _raise_where_devices_differ(e, given, argument_names)
+    _raise_where_devices_differ(e, operands, (input_h, input_c), argument_names)
     raise
   if run is not _dispatch:
     _bound_programs(run)
   return (y, h, c) if spec.has_cell_state else (y, h)
 
 
-def _raise_where_devices_differ(error: ValueError, operands, names) -> None:
+def _raise_where_devices_differ(error: ValueError, operands, states_given, names) -> None:
   """Where the operands a caller placed (committed arrays: `jax.device_put`,
   or results of computations there; under an eager `grad` or `vmap`, the
   values traced) lie on different devices, which no one computation can
   take, raises a ValueError naming each with its devices, from `error` (what
   JAX raised: it names inner arguments); else returns. Arrays JAX placed by
   default (numpy converted, zero states made here) follow the others, so
-  they are left out, as are a `jit`'s tracers, which have no devices."""
+  they are left out, as are a `jit`'s tracers, which have no devices, and
+  the zero states made for an `input_h` or `input_c` given as None
+  (`states_given`: the two as given), which under `jax.set_mesh` lie on its
+  mesh. Asked only once JAX has refused: a call pays nothing for it."""
+  x, h0, c0, *rest = operands
+  h_given, c_given = states_given
+  operands = (x, None if h_given is None else h0, None if c_given is None else c0, *rest)
   values = {name: _value(a) for name, a in zip(names, operands)}
   placed = {name: sorted(a.sharding.device_set, key=lambda d: d.id)
             for name, a in values.items() if isinstance(a, jax.Array) and a.committed}
