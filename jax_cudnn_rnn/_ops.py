@@ -295,23 +295,29 @@ def _dispatch(spec, backend, apply_dropout, time_major, policy, x, h0, c0, param
               dropout_key):
   """Runs the validated call on `backend` ("xla", "cudnn" or "auto"). `policy`,
   the cuDNN algorithm policy the call was made under, is only a cache key: the
-  cuDNN path reads the same policy while it is traced (`_cudnn.choose_algorithms`)."""
-  options = dict(seq_lengths=lengths, dropout_key=dropout_key, apply_dropout=apply_dropout,
-                 time_major=time_major)
-  xla = lambda *a: _xla.rnn(spec, *a, **options)
-  if any(jax.export.is_symbolic_dim(d) for d in x.shape):
-    # Shape-polymorphic jax.export: cuDNN's values, another derivative (_symbolic).
-    derivative = None if backend == "cudnn" else _xla.rnn
-    cudnn = lambda *a: _symbolic.rnn(spec, *a, derivative=derivative, **options)
-  else:
-    cudnn = lambda *a: _cudnn.rnn(spec, *a, **options)
-  if backend == "xla":
-    return xla(x, h0, c0, params)
-  if backend == "cudnn":
-    return cudnn(x, h0, c0, params)
-  # Decided at lowering: cuDNN when the computation is placed on a CUDA
-  # device, the pure-JAX path on any other (a CPU device of a GPU machine).
-  return jax.lax.platform_dependent(x, h0, c0, params, cuda=cudnn, default=xla)
+  cuDNN path reads the same policy while it is traced (`_cudnn.choose_algorithms`).
+
+  Its operations are named for the spec (`jax.named_scope`): in a profile or
+  an HLO dump the call reads as `jit(step)/CudnnLSTM/...`, differentiated
+  `jvp(CudnnLSTM)` and `transpose(jvp(CudnnLSTM))`, on either path
+  (tests/test_op_names.py)."""
+  with jax.named_scope(type(spec).__name__):
+    options = dict(seq_lengths=lengths, dropout_key=dropout_key, apply_dropout=apply_dropout,
+                   time_major=time_major)
+    xla = lambda *a: _xla.rnn(spec, *a, **options)
+    if any(jax.export.is_symbolic_dim(d) for d in x.shape):
+      # Shape-polymorphic jax.export: cuDNN's values, another derivative (_symbolic).
+      derivative = None if backend == "cudnn" else _xla.rnn
+      cudnn = lambda *a: _symbolic.rnn(spec, *a, derivative=derivative, **options)
+    else:
+      cudnn = lambda *a: _cudnn.rnn(spec, *a, **options)
+    if backend == "xla":
+      return xla(x, h0, c0, params)
+    if backend == "cudnn":
+      return cudnn(x, h0, c0, params)
+    # Decided at lowering: cuDNN when the computation is placed on a CUDA
+    # device, the pure-JAX path on any other (a CPU device of a GPU machine).
+    return jax.lax.platform_dependent(x, h0, c0, params, cuda=cudnn, default=xla)
 
 
 # An eager call (no operand traced: a notebook, a loop outside `jit`) runs
