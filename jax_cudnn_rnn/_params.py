@@ -8,7 +8,7 @@ in `_layout`.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import jax
@@ -54,15 +54,28 @@ def check_real(where: str, array):
 
 def _check_params(spec, params) -> jax.Array:
   """Validates an opaque buffer's rank, size and dtype; returns it as an array."""
-  if not hasattr(params, "shape") or not hasattr(params, "dtype"):
-    raise TypeError(f"params must be an array, got {type(params).__name__}")
   size = _layout.params_size(spec)
+  if not hasattr(params, "shape") or not hasattr(params, "dtype"):
+    raise TypeError(f"params must be an array, got {type(params).__name__}: "
+                    f"{_buffer_hint(params, size)}")
   if params.shape != (size,):
     raise ValueError(
         f"params must have shape ({size},) (params_size() of {spec}), got {tuple(params.shape)}")
   if params.dtype != spec.dtype:  # not np.dtype(): a PRNG key array's dtype is none of numpy's
     raise TypeError(f"params must have dtype {spec.dtype.name}, got {params.dtype}")
   return params if isinstance(params, jax.Array) else jnp.asarray(params)
+
+
+def _buffer_hint(params, size: int) -> str:
+  """What `params` is meant to be, for a caller who passed something else:
+  most often the canonical `(weights, biases)` lists, or a Flax module's
+  variables."""
+  hint = (f"the opaque buffer, a 1-D array of params_size() = {size} elements "
+          "(spec.init_params(key) makes one; spec.canonical_to_params(weights, biases) "
+          "packs canonical weights and biases into one)")
+  if isinstance(params, Mapping):
+    hint += "; a Flax module's variables hold it at ['params']['opaque_params']"
+  return hint
 
 
 # Why a float64 buffer cannot be made or accepted: said by every check that meets one.

@@ -39,6 +39,13 @@ def _lstm(**over):
     (dict(params=jnp.zeros(10, jnp.float32)), ValueError, r"params must have shape \(\d+,\)"),
     (dict(params=jnp.zeros(LSTM.params_size(), jnp.bfloat16)), TypeError, "params must have dtype float32, got bfloat16"),
     (dict(params=[1.0, 2.0]), TypeError, "params must be an array"),
+    (dict(params=LSTM.params_to_canonical(jnp.zeros(LSTM.params_size(), jnp.float32))), TypeError,
+     r"^params must be an array, got tuple: the opaque buffer, a 1-D array of params_size\(\) = "
+     r"\d+ elements \(spec.init_params\(key\) makes one; spec.canonical_to_params\(weights, "
+     r"biases\) packs canonical weights and biases into one\)$"),
+    (dict(params={"params": {"opaque_params": jnp.zeros(LSTM.params_size(), jnp.float32)}}),
+     TypeError, r"^params must be an array, got dict: the opaque buffer, .*; a Flax module's "
+     r"variables hold it at \['params'\]\['opaque_params'\]$"),
     (dict(params=jax.random.split(jax.random.key(0), LSTM.params_size())), TypeError,
      r"^params must have dtype float32, got key<fry>$"),
     (dict(input_data=np.full((5, 2, 3), None)), TypeError,
