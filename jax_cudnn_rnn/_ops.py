@@ -104,16 +104,21 @@ def _check_dtype(name: str, array: jax.Array, dtype: np.dtype) -> None:
                     f"got {array.dtype}{hint}")
 
 
-def check_state_shape(spec, name: str, shape, batch: int, *, unit_name: str = "num_units"):
+def check_state_shape(spec, name: str, shape, batch: int, *, unit_name: str = "num_units",
+                      pair: bool = False):
   """Raises a `ValueError` unless `shape` is that of an initial state of
   `spec` for `batch` sequences; `unit_name` is what the caller calls the
-  last axis (the Flax adapters say features)."""
+  last axis (the Flax adapters say features). `pair`: the state was given as
+  a tuple or list of two (an LSTM's `(h, c)` carry, as Flax's cells hold one)."""
   expected = (spec.num_layers * spec.num_dirs, batch, spec.num_units)
   if tuple(shape) != expected:
     hint = ""
     if tuple(shape) == expected[1:]:
       hint = ("; unlike flax.linen.RNN's cells, the states have a leading axis of "
               "num_layers * num_dirs even for one layer")
+    elif pair and tuple(shape) == (2, *expected) and spec.has_cell_state:
+      hint = (f"; it was given a pair of states: {type(spec).__name__} takes them apart, "
+              "input_h then input_c")
     raise ValueError(f"{name} must have shape {expected} (num_layers * num_dirs, batch, "
                      f"{unit_name}), got {tuple(shape)}{hint}")
 
@@ -121,8 +126,9 @@ def check_state_shape(spec, name: str, shape, batch: int, *, unit_name: str = "n
 def _check_state(spec, name, state, batch):
   if state is None:
     return jnp.zeros((spec.num_layers * spec.num_dirs, batch, spec.num_units), spec.dtype)
+  pair = isinstance(state, (tuple, list)) and len(state) == 2
   state = _as_array(name, state, spec.dtype)
-  check_state_shape(spec, name, state.shape, batch)
+  check_state_shape(spec, name, state.shape, batch, pair=pair)
   _check_dtype(name, state, spec.dtype)
   return state
 

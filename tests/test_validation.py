@@ -35,6 +35,17 @@ def _lstm(**over):
     (dict(input_h=jnp.zeros((4, 3, 4))), ValueError, r"input_h must have shape \(4, 2, 4\)"),
     (dict(input_c=jnp.zeros((2, 4))), ValueError, r"^input_c must have shape \(4, 2, 4\) \(num_layers \* num_dirs, batch, num_units\), got \(2, 4\); unlike flax.linen.RNN's cells, the states have a leading axis of num_layers \* num_dirs even for one layer$"),
     (dict(input_h=jnp.zeros((4, 2, 4), jnp.float16)), TypeError, "input_h must have dtype float32"),
+    # an LSTM's (h, c) carry, as Flax's cells hold one, given as input_h
+    (dict(input_h=(jnp.zeros((4, 2, 4)), jnp.zeros((4, 2, 4))), input_c=None), ValueError,
+     r"^input_h must have shape \(4, 2, 4\) \(num_layers \* num_dirs, batch, num_units\), got "
+     r"\(2, 4, 2, 4\); it was given a pair of states: CudnnLSTM takes them apart, input_h then "
+     r"input_c$"),
+    (dict(input_c=[jnp.zeros((4, 2, 4)), jnp.zeros((4, 2, 4))]), ValueError,
+     r"^input_c must have shape .* got \(2, 4, 2, 4\); it was given a pair of states"),
+    # a stacked array of that shape is no pair: no such hint
+    (dict(input_h=jnp.zeros((2, 4, 2, 4))), ValueError,
+     r"^input_h must have shape \(4, 2, 4\) \(num_layers \* num_dirs, batch, num_units\), got "
+     r"\(2, 4, 2, 4\)$"),
     (dict(input_c=jnp.zeros((4, 2, 5))), ValueError, r"input_c must have shape \(4, 2, 4\) .* got \(4, 2, 5\)"),
     (dict(params=jnp.zeros(10, jnp.float32)), ValueError, r"params must have shape \(\d+,\)"),
     (dict(params=jnp.zeros(LSTM.params_size(), jnp.bfloat16)), TypeError, "params must have dtype float32, got bfloat16"),
