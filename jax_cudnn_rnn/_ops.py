@@ -42,6 +42,8 @@ cuDNN's rounding).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -104,16 +106,45 @@ def _check_dtype(name: str, array: jax.Array, dtype: np.dtype) -> None:
                     f"got {array.dtype}{hint}")
 
 
+class Axes(NamedTuple):
+  """How a call read its input's first two axes: `steps` and `batch` as
+  `time_major` says; `input_name`, what the caller calls the input."""
+  steps: int
+  batch: int
+  time_major: bool
+  input_name: str = "input_data"
+
+
+def other_layout_hint(axes: Axes | None, given_batch) -> str:
+  """Where an array whose batch axis should hold the input's batch holds its
+  number of steps instead (the two differing), the input was most likely
+  given in the other layout: a hint saying so; else ""."""
+  if axes is None:
+    return ""
+  sizes = (given_batch, axes.steps, axes.batch)  # (symbolic ones are not compared)
+  if (not all(isinstance(n, (int, np.integer)) for n in sizes)
+      or given_batch == axes.batch or given_batch != axes.steps):
+    return ""
+  if axes.time_major:
+    return (f"; read time-major ([T, B, ...]), the shape of {axes.input_name} gives "
+            f"T={axes.steps} and B={axes.batch}: batch-major data needs time_major=False")
+  return (f"; read batch-major ([B, T, ...], time_major=False), the shape of {axes.input_name} "
+          f"gives B={axes.batch} and T={axes.steps}: time-major data needs time_major=True")
+
+
 def check_state_shape(spec, name: str, shape, batch: int, *, unit_name: str = "num_units",
-                      pair: bool = False):
+                      pair: bool = False, axes: Axes | None = None):
   """Raises a `ValueError` unless `shape` is that of an initial state of
   `spec` for `batch` sequences; `unit_name` is what the caller calls the
   last axis (the Flax adapters say features). `pair`: the state was given as
-  a tuple or list of two (an LSTM's `(h, c)` carry, as Flax's cells hold one)."""
+  a tuple or list of two (an LSTM's `(h, c)` carry, as Flax's cells hold one).
+  `axes`: how the input was read, for a state whose batch is its steps."""
   expected = (spec.num_layers * spec.num_dirs, batch, spec.num_units)
   if tuple(shape) != expected:
     hint = ""
-    if tuple(shape) == expected[1:]:
+    if len(shape) == 3 and (shape[0], shape[2]) == (expected[0], expected[2]):
+      hint = other_layout_hint(axes, shape[1])
+    elif tuple(shape) == expected[1:]:
       hint = ("; unlike flax.linen.RNN's cells, the states have a leading axis of "
               "num_layers * num_dirs even for one layer")
     elif pair and tuple(shape) == (2, *expected) and spec.has_cell_state:
@@ -123,12 +154,13 @@ def check_state_shape(spec, name: str, shape, batch: int, *, unit_name: str = "n
                      f"{unit_name}), got {tuple(shape)}{hint}")
 
 
-def _check_state(spec, name, state, batch):
+def _check_state(spec, name, state, axes: Axes):
+  batch = axes.batch
   if state is None:
     return jnp.zeros((spec.num_layers * spec.num_dirs, batch, spec.num_units), spec.dtype)
   pair = isinstance(state, (tuple, list)) and len(state) == 2
   state = _as_array(name, state, spec.dtype)
-  check_state_shape(spec, name, state.shape, batch, pair=pair)
+  check_state_shape(spec, name, state.shape, batch, pair=pair, axes=axes)
   _check_dtype(name, state, spec.dtype)
   return state
 
@@ -145,14 +177,16 @@ def _known_values(value):
     return None
 
 
-def _check_seq_lengths(seq_lengths, batch, steps):
+def _check_seq_lengths(seq_lengths, axes: Axes):
   if seq_lengths is None:
     return None
+  batch, steps = axes.batch, axes.steps
   given = seq_lengths
   seq_lengths = _as_array("seq_lengths", seq_lengths)
   if seq_lengths.shape != (batch,):
+    hint = other_layout_hint(axes, seq_lengths.shape[0]) if seq_lengths.ndim == 1 else ""
     raise ValueError(f"seq_lengths must have shape ({batch},) (batch,), "
-                     f"got {tuple(seq_lengths.shape)}")
+                     f"got {tuple(seq_lengths.shape)}{hint}")
   if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
     raise TypeError(f"seq_lengths must have an integer dtype, got {seq_lengths.dtype}")
   values = _known_values(given)
@@ -189,8 +223,9 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
         argument_names=ARGUMENTS):
   """Validates the call of `spec` and runs it; see the spec's `__call__`.
 
-  `argument_names`: what the devices' error calls the six arrays (the Flax
-  modules' own terms, `_adapter.run`)."""
+  `argument_names`: what the devices' error calls the six arrays, and the
+  layout hint (`other_layout_hint`) the input (the Flax modules' own terms,
+  `_adapter.run`)."""
   if not isinstance(is_training, (bool, np.bool_)):
     raise TypeError(
         f"is_training must be a Python bool, got {type(is_training).__name__}"
@@ -210,15 +245,16 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
     raise ValueError(f"input_data must have at least one step and one sequence, got shape "
                      f"{tuple(x.shape)} (time_major={time_major})")
   _check_dtype("input_data", x, spec.dtype)
-  h0 = _check_state(spec, "input_h", input_h, batch)
+  axes = Axes(steps, batch, bool(time_major), argument_names[0])
+  h0 = _check_state(spec, "input_h", input_h, axes)
   if spec.has_cell_state:
-    c0 = _check_state(spec, "input_c", input_c, batch)
+    c0 = _check_state(spec, "input_c", input_c, axes)
   elif input_c is not None:
     raise ValueError(f"input_c must be None for {type(spec).__name__}: it has no cell state")
   else:
     c0 = None
   params = _params._check_params(spec, params)
-  lengths = _check_seq_lengths(seq_lengths, batch, steps)
+  lengths = _check_seq_lengths(seq_lengths, axes)
   # Data parallelism under explicit sharding: every operand is split by the
   # data's batch alone (`_partition.batch_like`): the states and lengths
   # follow it (zeros made above have none of their own), and any other split

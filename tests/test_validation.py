@@ -42,6 +42,20 @@ def _lstm(**over):
      r"input_c$"),
     (dict(input_c=[jnp.zeros((4, 2, 4)), jnp.zeros((4, 2, 4))]), ValueError,
      r"^input_c must have shape .* got \(2, 4, 2, 4\); it was given a pair of states"),
+    # states or lengths whose batch is the input's steps: the layout is named
+    (dict(input_h=jnp.zeros((4, 5, 4))), ValueError,
+     r"^input_h must have shape \(4, 2, 4\) .* got \(4, 5, 4\); read time-major \(\[T, B, "
+     r"\.\.\.\]\), the shape of input_data gives T=5 and B=2: batch-major data needs "
+     r"time_major=False$"),
+    (dict(seq_lengths=jnp.ones((5,), jnp.int32)), ValueError,
+     r"^seq_lengths must have shape \(2,\) \(batch,\), got \(5,\); read time-major \(\[T, B, "
+     r"\.\.\.\]\), the shape of input_data gives T=5 and B=2: batch-major data needs "
+     r"time_major=False$"),
+    (dict(input_data=jnp.ones((2, 5, 3), jnp.float32), input_c=jnp.zeros((4, 5, 4)),
+          time_major=False),
+     ValueError, r"^input_c must have shape \(4, 2, 4\) .* got \(4, 5, 4\); read batch-major "
+     r"\(\[B, T, \.\.\.\], time_major=False\), the shape of input_data gives B=2 and T=5: "
+     r"time-major data needs time_major=True$"),
     # a stacked array of that shape is no pair: no such hint
     (dict(input_h=jnp.zeros((2, 4, 2, 4))), ValueError,
      r"^input_h must have shape \(4, 2, 4\) \(num_layers \* num_dirs, batch, num_units\), got "
