@@ -140,7 +140,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_cudnn_rnn import _chunks, _lanes, _one_step, _reference, _rounded_dot, _spec
+from jax_cudnn_rnn import _chunks, _cpu, _lanes, _one_step, _reference, _rounded_dot, _spec
 
 
 def _blocksum(u: jax.Array, blocks: int) -> jax.Array:
@@ -408,22 +408,47 @@ LOOP_TRANSPOSED_NARROW_MAX_BYTES = 1 << 20  # ... transposes an R up to this, in
 # fast as in session 77's grid), where this loop's GRU had run level with
 # Flax's cells. Another CPU's thread count, and YNNPACK's own choices, may
 # draw the window elsewhere.
+# And on a 2-core AMD EPYC (Zen 4, family 25 model 17, 1 MiB of L2 a core)
+# they did, now -> without gate blocks (Flax's cells), us a token, each line
+# one process, interleaved (benchmarks/NOTES.md, session 86):
+# - an LSTM's gate blocks lost at every batch: I128 H256 B4 50.8 -> 34.1
+#   (38.9), B8 79.8 -> 58.8 (64.4) and 89.2 -> 70.3 (64.8), B16 149.2 -> 149.6
+#   (154.0) and 150.3 -> 142.0 (148.2), B24 221.2 -> 192.6 (201.4), B32 303.2
+#   -> 240.3 (245.0) and 316.2 -> 269.9 (266.0); I128 H192 B8 63.6 -> 60.3
+#   (50.5), B16 98.5 -> 80.1 (74.5); I64 H256 B8 71.5 -> 58.7 (70.5). So an
+#   AMD CPU's LSTM keeps the stacked or opaque products (`GATE_BLOCKS_LSTM`);
+# - a GRU's gained up to 24 sequences (I256 H256 B16 159.0 -> 171.1, B24 235.4
+#   -> 243.3; I128 H256 B16 121.6 -> 135.3; I128 H192 B16 80.2 -> 91.4) and
+#   ran level at 32 under an input of 128 (238.0 -> 231.7, 254.9 -> 246.5,
+#   236.9 -> 255.7), but lost at 32 under a wider one (I256 H256 336.3 ->
+#   297.5 and 341.9 -> 289.2, Flax's 323.4 and 328.4), where the Xeon had run
+#   level (252.8 -> 248.3): a wider input takes blocks up to
+#   `GATE_BLOCKS_WIDE_INPUT_BATCH` sequences, on any CPU.
 GATE_BLOCKS_HIDDEN = (192, 256)  # the hidden sizes, included
 GATE_BLOCKS_BATCH = (2, 32)  # the sequences, included
+GATE_BLOCKS_WIDE_INPUT_BATCH = 24  # ... under an input wider than LOOP_TRANSPOSED_NARROW_INPUT
+# The CPU vendors whose LSTM loops take gate blocks: all but AMD's, where they
+# lost (a vendor not known keeps them, as measured first).
+GATE_BLOCKS_LSTM_EXCEPT_VENDORS = ("AuthenticAMD",)
 
 
 def _gate_blocks_in_loop(mode, operands, xs, R) -> bool:
   """Whether a one-step forward in a loop that closes over its weights
   multiplies by each gate's transposed columns apart (the comment above): an
   LSTM's or GRU's layer, the model's own float32 products (`operands` None),
-  `GATE_BLOCKS_HIDDEN` units, `GATE_BLOCKS_BATCH` sequences, for an LSTM an
-  input at most `LOOP_TRANSPOSED_NARROW_INPUT` wide, on a CPU. `R`: the
+  `GATE_BLOCKS_HIDDEN` units, `GATE_BLOCKS_BATCH` sequences (at most
+  `GATE_BLOCKS_WIDE_INPUT_BATCH` under an input wider than
+  `LOOP_TRANSPOSED_NARROW_INPUT`), for an LSTM an input at most that wide and
+  a CPU not of `GATE_BLOCKS_LSTM_EXCEPT_VENDORS`, on a CPU. `R`: the
   transposed recurrent matrices, `[H, g*H]`."""
   batch, hidden = xs[0].shape[1], R[0].shape[0]
+  narrow = xs[0].shape[-1] <= LOOP_TRANSPOSED_NARROW_INPUT
   return (mode in ("lstm", "gru") and _float32_loop_on_cpu(operands, R, batch)
-          and GATE_BLOCKS_BATCH[0] <= batch <= GATE_BLOCKS_BATCH[1]
+          and GATE_BLOCKS_BATCH[0] <= batch
+          and batch <= (GATE_BLOCKS_BATCH[1] if narrow else GATE_BLOCKS_WIDE_INPUT_BATCH)
           and GATE_BLOCKS_HIDDEN[0] <= hidden <= GATE_BLOCKS_HIDDEN[1]
-          and (mode == "gru" or xs[0].shape[-1] <= LOOP_TRANSPOSED_NARROW_INPUT))
+          and (mode == "gru"
+               or (narrow and _cpu.vendor() not in GATE_BLOCKS_LSTM_EXCEPT_VENDORS)))
 
 
 def _gate_blocks(m: jax.Array, hidden: int) -> tuple:

@@ -1125,16 +1125,19 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
 
 @pytest.mark.usefixtures("cpu_host")
 @pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
-def test_decoder_loop_multiplies_gate_blocks(cls):
+def test_decoder_loop_multiplies_gate_blocks(cls, monkeypatch):
   """In a decoder's loop closing over its float32 weights, an LSTM or GRU with
   `GATE_BLOCKS_HIDDEN` units over `GATE_BLOCKS_BATCH` sequences (an LSTM's
-  input at most `LOOP_TRANSPOSED_NARROW_INPUT` wide) multiplies by each
-  gate's transposed columns apart, one product a gate for the input and one
-  for the state, on the step axis kept (`_xla._gate_blocks_in_loop`); one
-  sequence, one more, a hidden size either side of the window, an LSTM's
-  wider input, bfloat16, or a GPU keep the stacked or opaque products.
+  input at most `LOOP_TRANSPOSED_NARROW_INPUT` wide, a GRU's wider one over
+  at most `GATE_BLOCKS_WIDE_INPUT_BATCH`) multiplies by each gate's
+  transposed columns apart, one product a gate for the input and one for the
+  state, on the step axis kept (`_xla._gate_blocks_in_loop`); one sequence,
+  one more, a hidden size either side of the window, an LSTM's wider input
+  or AMD CPU, bfloat16, or a GPU keep the stacked or opaque products.
   Values and gradients against the reference's loop, with lengths (0 among
-  them), over two bidirectional layers."""
+  them), over two bidirectional layers. On an Intel CPU, as measured, whatever
+  the host's."""
+  monkeypatch.setattr(_cpu, "vendor", lambda: "GenuineIntel")
   low, high = _xla.GATE_BLOCKS_HIDDEN
   narrow = _xla.LOOP_TRANSPOSED_NARROW_INPUT
   g = cls(1, 8, 8).num_gates
@@ -1148,8 +1151,19 @@ def test_decoder_loop_multiplies_gate_blocks(cls):
   # skip_input: no input matrix; an LSTM's input as wide as its state keeps one product.
   assert products(high, high, 4, input_mode="skip_input") == (g if cls is jcr.CudnnGRU else 1)
   assert products(low, narrow + 1, 4) == (2 * g if cls is jcr.CudnnGRU else 2)
+  wide_batch = _xla.GATE_BLOCKS_WIDE_INPUT_BATCH
+  assert lo_batch < wide_batch < hi_batch
+  assert products(low, narrow + 1, wide_batch) == (2 * g if cls is jcr.CudnnGRU else 2)
+  assert products(low, narrow + 1, wide_batch + 1) < 2 * g
   for hidden, batch in ((low - 1, 4), (high + 1, 4), (low, 1), (low, hi_batch + 1)):
     assert products(hidden, narrow, batch) < 2 * g, (hidden, batch)
+  # An AMD CPU's LSTM keeps its stacked or opaque products; its GRU, the blocks.
+  # (A vendor not known keeps them: as measured first.)
+  for vendor, blocks in (("AuthenticAMD", cls is jcr.CudnnGRU), (None, True)):
+    with pytest.MonkeyPatch.context() as m:
+      m.setattr(_cpu, "vendor", lambda: vendor)
+      assert (products(low, narrow, 4) == 2 * g) is blocks, vendor
+      assert (products(high, narrow, hi_batch) == 2 * g) is blocks, vendor
   assert products(low, narrow, 4, dtype=jnp.bfloat16) == 2
   with pytest.MonkeyPatch.context() as m:
     m.setattr(jax, "default_backend", lambda: "gpu")
