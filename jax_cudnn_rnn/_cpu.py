@@ -21,6 +21,10 @@ forward runs in lanes from 8 sequences (`_lanes.LANE_L2_MULTIPLE`): measured on
 a 2-core Zen 3 (512 KiB of L2 a core), whose lanes by batch lost at an LSTM's
 H256 where those of the Xeon (2 MiB) and the Zen 5 (1 MiB) gained (session 65).
 
+Its vendor decides one rule more: a decoder's loop multiplies an LSTM's
+gate blocks apart (`_xla._gate_blocks_in_loop`) except on AMD's CPUs, where
+that lost on a Zen 4 (session 86) though it gained on the Xeon (session 78).
+
 DESIGN §4 has no module for this: it is here, rather than in `_xla.py`, so
 that tests can stand in a CPU of either kind (`flags`).
 """

@@ -416,9 +416,10 @@ LOOP_TRANSPOSED_NARROW_MAX_BYTES = 1 << 20  # ... transposes an R up to this, in
 #   (154.0) and 150.3 -> 142.0 (148.2), B24 221.2 -> 192.6 (201.4), B32 303.2
 #   -> 240.3 (245.0) and 316.2 -> 269.9 (266.0); I128 H192 B8 63.6 -> 60.3
 #   (50.5), B16 98.5 -> 80.1 (74.5); I64 H256 B8 71.5 -> 58.7 (70.5). So an
-#   AMD CPU's LSTM keeps the stacked or opaque products (`GATE_BLOCKS_LSTM`);
-# - a GRU's gained up to 24 sequences (I256 H256 B16 159.0 -> 171.1, B24 235.4
-#   -> 243.3; I128 H256 B16 121.6 -> 135.3; I128 H192 B16 80.2 -> 91.4) and
+#   AMD CPU's LSTM keeps the stacked or opaque products
+#   (`GATE_BLOCKS_LSTM_EXCEPT_VENDORS`);
+# - a GRU's gained up to 24 sequences (I256 H256 B8 83.7 -> 101.2, B16 159.0 ->
+#   171.1, B24 235.4 -> 243.3; I128 H256 B16 121.6 -> 135.3; I128 H192 B16 80.2 -> 91.4) and
 #   ran level at 32 under an input of 128 (238.0 -> 231.7, 254.9 -> 246.5,
 #   236.9 -> 255.7), but lost at 32 under a wider one (I256 H256 336.3 ->
 #   297.5 and 341.9 -> 289.2, Flax's 323.4 and 328.4), where the Xeon had run
