@@ -79,9 +79,8 @@ def _carry(spec, name: str, value, inputs, time_major: bool):
   check names `input_h`); an input of the wrong rank is left to the spec."""
   state = _real_array(name, value, spec.dtype)
   if inputs.ndim == 3:
-    steps, batch = inputs.shape[:2] if time_major else inputs.shape[1::-1]
-    _ops.check_state_shape(spec, name, state.shape, batch, unit_name="features",
-                           axes=_ops.Axes(steps, batch, time_major, "inputs"))
+    axes = _ops.Axes.of(inputs.shape, time_major, "inputs")
+    _ops.check_state_shape(spec, name, state.shape, axes, unit_name="features")
   return state
 
 

@@ -114,16 +114,20 @@ class Axes(NamedTuple):
   time_major: bool
   input_name: str = "input_data"
 
+  @classmethod
+  def of(cls, shape, time_major: bool, input_name: str = "input_data") -> Axes:
+    """The axes of an input of `shape` (`[T, B, .]`, or `[B, T, .]` unless
+    `time_major`)."""
+    steps, batch = shape[:2] if time_major else shape[1::-1]
+    return cls(steps, batch, bool(time_major), input_name)
 
-def other_layout_hint(axes: Axes | None, given_batch) -> str:
-  """Where an array whose batch axis should hold the input's batch holds its
-  number of steps instead (the two differing), the input was most likely
-  given in the other layout: a hint saying so; else ""."""
-  if axes is None:
-    return ""
-  sizes = (given_batch, axes.steps, axes.batch)  # (symbolic ones are not compared)
-  if (not all(isinstance(n, (int, np.integer)) for n in sizes)
-      or given_batch == axes.batch or given_batch != axes.steps):
+
+def other_layout_hint(axes: Axes, given_batch) -> str:
+  """For an array whose batch axis holds `given_batch` rather than the
+  input's batch: where that is the input's number of steps, the input was
+  most likely given in the other layout, and a hint says so; else ""."""
+  sizes = (given_batch, axes.steps)  # (symbolic ones are not compared)
+  if not all(isinstance(n, (int, np.integer)) for n in sizes) or given_batch != axes.steps:
     return ""
   if axes.time_major:
     return (f"; read time-major ([T, B, ...]), the shape of {axes.input_name} gives "
@@ -132,14 +136,15 @@ def other_layout_hint(axes: Axes | None, given_batch) -> str:
           f"gives B={axes.batch} and T={axes.steps}: time-major data needs time_major=True")
 
 
-def check_state_shape(spec, name: str, shape, batch: int, *, unit_name: str = "num_units",
-                      pair: bool = False, axes: Axes | None = None):
+def check_state_shape(spec, name: str, shape, axes: Axes, *, unit_name: str = "num_units",
+                      pair: bool = False):
   """Raises a `ValueError` unless `shape` is that of an initial state of
-  `spec` for `batch` sequences; `unit_name` is what the caller calls the
-  last axis (the Flax adapters say features). `pair`: the state was given as
-  a tuple or list of two (an LSTM's `(h, c)` carry, as Flax's cells hold one).
-  `axes`: how the input was read, for a state whose batch is its steps."""
-  expected = (spec.num_layers * spec.num_dirs, batch, spec.num_units)
+  `spec` for the input read as `axes` says (its batch, and its steps for
+  the hint of a state whose batch they are); `unit_name` is what the caller
+  calls the last axis (the Flax adapters say features). `pair`: the state was
+  given as a tuple or list of two (an LSTM's `(h, c)` carry, as Flax's cells
+  hold one)."""
+  expected = (spec.num_layers * spec.num_dirs, axes.batch, spec.num_units)
   if tuple(shape) != expected:
     hint = ""
     if len(shape) == 3 and (shape[0], shape[2]) == (expected[0], expected[2]):
@@ -155,12 +160,11 @@ def check_state_shape(spec, name: str, shape, batch: int, *, unit_name: str = "n
 
 
 def _check_state(spec, name, state, axes: Axes):
-  batch = axes.batch
   if state is None:
-    return jnp.zeros((spec.num_layers * spec.num_dirs, batch, spec.num_units), spec.dtype)
+    return jnp.zeros((spec.num_layers * spec.num_dirs, axes.batch, spec.num_units), spec.dtype)
   pair = isinstance(state, (tuple, list)) and len(state) == 2
   state = _as_array(name, state, spec.dtype)
-  check_state_shape(spec, name, state.shape, batch, pair=pair, axes=axes)
+  check_state_shape(spec, name, state.shape, axes, pair=pair)
   _check_dtype(name, state, spec.dtype)
   return state
 
@@ -240,12 +244,12 @@ def rnn(spec, input_data, input_h, input_c, params, *, is_training=True,
   if x.shape[-1] != spec.input_size:
     raise ValueError(f"input_data's last dimension must be input_size={spec.input_size}, "
                      f"got shape {tuple(x.shape)}")
-  steps, batch = x.shape[:2] if time_major else x.shape[1::-1]
+  axes = Axes.of(x.shape, time_major, argument_names[0])
+  steps, batch = axes.steps, axes.batch
   if steps == 0 or batch == 0:
     raise ValueError(f"input_data must have at least one step and one sequence, got shape "
                      f"{tuple(x.shape)} (time_major={time_major})")
   _check_dtype("input_data", x, spec.dtype)
-  axes = Axes(steps, batch, bool(time_major), argument_names[0])
   h0 = _check_state(spec, "input_h", input_h, axes)
   if spec.has_cell_state:
     c0 = _check_state(spec, "input_c", input_c, axes)
