@@ -458,9 +458,10 @@ def test_restore_places_with_a_sharding(tmp_path):
   spec = jcr.CudnnLSTM(1, 4, 3, dtype=jnp.bfloat16)
   params = spec.init_params(jax.random.key(0))
   ck.save(tmp_path / "c", spec, params)
-  device = jax.devices()[0]
+  # `make_single_device_sharding`: jax 0.12.1 deprecates `SingleDeviceSharding`.
+  single = jax.sharding.make_single_device_sharding(jax.devices()[0])
   mesh = jax.make_mesh((1,), ("x",))
-  for sharding in (jax.sharding.SingleDeviceSharding(device),
+  for sharding in (single,
                    jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))):
     restored = ck.restore(tmp_path / "c", spec, sharding=sharding)
     assert restored.sharding == sharding and restored.dtype == jnp.bfloat16
@@ -468,9 +469,9 @@ def test_restore_places_with_a_sharding(tmp_path):
   # Through Orbax's arguments too, cast to another dtype on the way.
   with ocp.Checkpointer(ck.RNNParamsHandler()) as checkpointer:
     restored = checkpointer.restore(tmp_path / "c", args=ck.RNNParamsRestore(
-        spec, jnp.float32, jax.sharding.SingleDeviceSharding(device)))
+        spec, jnp.float32, single))
   assert restored.dtype == jnp.float32
-  assert restored.sharding == jax.sharding.SingleDeviceSharding(device)
+  assert restored.sharding == single
   np.testing.assert_array_equal(restored, np.asarray(params, np.float32))
 
 
