@@ -9,7 +9,8 @@ reach the "xla" path's measured rules (`_chunks`, `_lanes`, `_one_step`, the
 decoder loop's gate blocks), whose choices depend on the sizes, and, on a
 GPU, cuDNN's, over more shapes than its tests can afford. Each case draws a
 model (the four cells, one to three layers, either direction and input mode,
-H 8-320, input 8-256, 129 or H, float32 or for a quarter bfloat16) and a call
+H 8-320, input 8-256, 129 or H; float32 for half of them, bfloat16 for a
+quarter, float16 and float64 for an eighth each) and a call
 (T 1-100, B 1-64, time-major or not, `seq_lengths` with zeros among them or
 none, dropout in training), compares the outputs, and then one kind of
 derivative (`Case.check`):
@@ -28,7 +29,13 @@ derivatives' five times the outputs'): float32 2e-5 on the "xla" path (the
 same products in another order; session 79's fuzz found at most 1.5e-6),
 1e-4 against cuDNN (other kernels: `tests/helpers.CROSS_TOL` puts one step
 7.3e-6 apart); bfloat16 3e-2 (operands rounded to bfloat16 where they meet a
-weight matrix, `_rounded_dot`). Where a float32 case is out of tolerance, the
+weight matrix, `_rounded_dot`); float16 4e-3 on the "xla" path (both sides
+multiply float16 operands in float32 and round what they keep to float16:
+session 89's 25 cases were at most 4.2e-4 apart, half of float16's unit in
+the last place at 1) and 1e-2 against cuDNN (its own kernels; not yet
+measured on a GPU); float64 1e-12 on the "xla" path (session 89's 25 cases:
+at most 1.4e-15) and 1e-10 against cuDNN (not yet measured; a float64 case
+runs with `jax.enable_x64`). Where a float32 case is out of tolerance, the
 reference runs again in float64 (the same dropout masks: `_dropout`) and ours
 is judged against that: a ReLU's mask flips where a pre-activation lies
 within float32 rounding of 0, too (a float32 RNN-relu's tangent, L3 H96 T64
@@ -65,7 +72,10 @@ from helpers import call as public_call  # the spec's call as (y, h, c), c None 
 CELLS = {"lstm": jcr.CudnnLSTM, "gru": jcr.CudnnGRU, "rnn_tanh": jcr.CudnnRNNTanh,
          "rnn_relu": jcr.CudnnRNNRelu}
 TOLERANCE = {("xla", "float32"): 2e-5, ("cudnn", "float32"): 1e-4,
-             ("xla", "bfloat16"): 3e-2, ("cudnn", "bfloat16"): 3e-2}
+             ("xla", "bfloat16"): 3e-2, ("cudnn", "bfloat16"): 3e-2,
+             ("xla", "float16"): 4e-3, ("cudnn", "float16"): 1e-2,
+             ("xla", "float64"): 1e-12, ("cudnn", "float64"): 1e-10}
+DTYPES = ["float32"] * 4 + ["bfloat16"] * 2 + ["float16", "float64"]
 DERIVATIVE_FACTOR = 5
 DECODE_STEPS = 3
 
@@ -117,7 +127,7 @@ def draw(rng: random.Random, implementation: str = "xla") -> Case:
   return Case(mode=mode, layers=layers,
               direction=rng.choice(["unidirectional", "bidirectional"]),
               input_mode=input_mode, inputs=inputs, hidden=hidden, steps=steps, batch=batch,
-              dtype=rng.choice(["float32", "float32", "float32", "bfloat16"]),
+              dtype=rng.choice(DTYPES),
               time_major=rng.random() < 0.7 or check == "decode",
               lengths=rng.random() < 0.4,
               dropout=rng.choice([0.0, 0.0, 0.3]) if layers > 1 and check != "decode" else 0.0,
@@ -141,7 +151,15 @@ def errors(case: Case, seed: int, implementation: str = "xla", call=public_call)
   the outputs, and the case's derivative check. Where a float32 case is out
   of tolerance, the reference runs again in float64, and
   `what + "-f64"` holds ours against that, `"ref-" + what + "-f64"` the float32
-  reference's (`verdict` judges by the former)."""
+  reference's (`verdict` judges by the former). A float64 case runs with
+  64-bit types enabled, in the case alone."""
+  if case.dtype == "float64":
+    with jax.enable_x64(True):
+      return _errors(case, seed, implementation, call)
+  return _errors(case, seed, implementation, call)
+
+
+def _errors(case: Case, seed: int, implementation: str, call) -> dict:
   spec = case.spec()
   arrays = _arrays(case, spec, seed)
   training = case.dropout > 0

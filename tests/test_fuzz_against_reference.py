@@ -23,6 +23,8 @@ def test_draws_stay_within_bounds():
     checks = collections.Counter(c.check for c in cases)
     want = {"grad", "vmap", "decode"} | ({"jvp", "hvp"} if implementation == "xla" else set())
     assert set(checks) == want, checks
+    assert {c.dtype for c in cases} == set(fuzz.DTYPES), collections.Counter(
+        c.dtype for c in cases)
     for c in cases:
       c.spec()  # a valid configuration
       assert 1 <= c.steps <= 100 and 1 <= c.batch <= 64
@@ -40,6 +42,10 @@ def test_draws_stay_within_bounds():
     dataclasses.replace(SMALL, mode="rnn_relu", check="vmap", direction="unidirectional"),
     dataclasses.replace(SMALL, mode="gru", check="decode", steps=1, lengths=False),
     dataclasses.replace(SMALL, check="decode", steps=1, dtype="bfloat16"),
+    dataclasses.replace(SMALL, mode="gru", dtype="float16"),
+    dataclasses.replace(SMALL, check="hvp", dtype="float16", time_major=False),
+    dataclasses.replace(SMALL, dtype="float64", dropout=0.3),
+    dataclasses.replace(SMALL, mode="rnn_tanh", check="jvp", dtype="float64"),
 ], ids=str)
 def test_small_case_matches_reference(case):
   found = fuzz.errors(case, seed=1)
@@ -69,6 +75,24 @@ def test_broken_values_and_gradients_are_caught():
   found = fuzz.errors(case, seed=1, call=no_state_gradient)
   assert found["out"] < 1e-6 and found["grad"] > 0.1, found
   assert fuzz.verdict(case, "xla", found) == "BAD"
+
+
+@pytest.mark.parametrize("dtype,scale,caught", [
+    ("float64", 1 + 1e-9, True),  # float32's tolerance would pass it
+    ("float32", 1 + 1e-6, False),
+    ("float16", 1 + 1e-3, False),  # float16's unit in the last place at 1
+    ("float16", 1 + 1e-2, True),
+])
+def test_each_dtype_is_held_to_its_own_tolerance(dtype, scale, caught):
+  def scaled_output(spec, x, h0, c0, params, **options):
+    y, h, c = call(spec, x, h0, c0, params, **options)
+    return y * jax.numpy.asarray(scale, y.dtype), h, c
+
+  case = dataclasses.replace(SMALL, dtype=dtype, layers=1, direction="unidirectional")
+  found = fuzz.errors(case, seed=1, call=scaled_output)
+  assert (fuzz.verdict(case, "xla", found) == "BAD") == caught, found
+  if dtype == "float64":  # its values were float64 ones, not float32's
+    assert 0 < found["out"] < 1e-8, found
 
 
 def test_bfloat16_relu_derivatives_are_shown_not_compared():
@@ -104,6 +128,8 @@ def test_main_counts_and_exit_status(monkeypatch, capsys, found, rc):
     dataclasses.replace(SMALL, mode="gru", dropout=0.3, direction="unidirectional"),
     dataclasses.replace(SMALL, check="vmap", time_major=False, layers=1),
     dataclasses.replace(SMALL, mode="rnn_relu", check="decode", steps=1, layers=1),
+    dataclasses.replace(SMALL, dtype="float16", layers=1),
+    dataclasses.replace(SMALL, mode="gru", dtype="float64", direction="unidirectional"),
 ], ids=str)
 def test_cudnn_mode_runs_against_the_handler_model(sizes, monkeypatch, case):
   """The tool's cuDNN checks, against the model of the handlers (`handler_model.py`)
