@@ -43,7 +43,7 @@ def test_draws_stay_within_bounds():
     dataclasses.replace(SMALL, mode="gru", check="decode", steps=1, lengths=False),
     dataclasses.replace(SMALL, check="decode", steps=1, dtype="bfloat16"),
     dataclasses.replace(SMALL, mode="gru", dtype="float16"),
-    dataclasses.replace(SMALL, check="hvp", dtype="float16", time_major=False),
+    dataclasses.replace(SMALL, check="jvp", dtype="float16", time_major=False),
     dataclasses.replace(SMALL, dtype="float64", dropout=0.3),
     dataclasses.replace(SMALL, mode="rnn_tanh", check="jvp", dtype="float64"),
 ], ids=str)
