@@ -95,9 +95,10 @@ def test_each_dtype_is_held_to_its_own_tolerance(dtype, scale, caught):
     assert 0 < found["out"] < 1e-8, found
 
 
-def test_bfloat16_relu_derivatives_are_shown_not_compared():
-  case = dataclasses.replace(SMALL, mode="rnn_relu", dtype="bfloat16")
-  assert fuzz.verdict(case, "xla", {"out": 1e-3, "grad": 0.5}) == "ok-relu-bf16"
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_relu_derivatives_are_shown_not_compared(dtype):
+  case = dataclasses.replace(SMALL, mode="rnn_relu", dtype=dtype)
+  assert fuzz.verdict(case, "xla", {"out": 1e-3, "grad": 0.5}) == "ok-relu-half"
   assert fuzz.verdict(case, "xla", {"out": 0.5, "grad": 0.0}) == "BAD"
   assert fuzz.verdict(case, "xla", {"out": float("nan"), "grad": 0.0}) == "BAD"
   assert fuzz.verdict(dataclasses.replace(case, mode="gru"), "xla",
