@@ -72,6 +72,17 @@ Hence `MIN_PIECE`, `MIN_ELEMENTS` and `MAX_EXTRA_PRODUCTS` (an LSTM's lower:
 its B32 at I = H = 256 lost).
 Measured for float32 models on a CPU only: other dtypes, and other backends,
 keep the slices.
+
+Nor where JAX has several devices (as `_lanes` does not run there). The
+pieces stack along the batch axis (`[x; h]`), and each matrix's product is
+then a range of the result's columns `B` wide: with the batch split over
+devices, those ranges cut across the devices' parts, and XLA moved the rows
+between them on every call (an `all-to-all` and a `collective-permute` in
+the compiled program, four CPU devices, a GRU I256 H256 B8, the batch split
+either way: benchmarks/NOTES.md, session 90). Stacked along an axis of their
+own (`[n, B, width]`, the batch kept whole) they need no moves, but on one
+device that program ran 1-5% slower at 17 of 24 shape-runs (one process
+each); the slices need none either.
 """
 
 from __future__ import annotations
@@ -116,13 +127,15 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   wide (`_input_piece`), at least `MIN_ELEMENTS` in a direction's matrices
   of the layer (`matrix_elements`), and at most `MAX_EXTRA_PRODUCTS`
   multiplications more than the layer's own products need for each weight
-  they no longer copy (`extra_products`), on a CPU."""
+  they no longer copy (`extra_products`), on a CPU, in a process of one
+  device (the module docstring)."""
   steps, batch = x.shape[:2]
   if looped or not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
     return None
   if steps != 1 or np.dtype(x.dtype) != np.float32:
     return None
-  if np.dtype(spec.dtype) != np.float32 or jax.default_backend() != "cpu":
+  if (np.dtype(spec.dtype) != np.float32 or jax.default_backend() != "cpu"
+      or jax.device_count() != 1):
     return None
   H, g = spec.num_units, spec.num_gates
   has_w = spec.layer_has_input_weights(layer)

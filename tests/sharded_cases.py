@@ -27,7 +27,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _cudnn, _partition, _rounded_dot, linen
+from jax_cudnn_rnn import _cudnn, _one_step, _partition, _rounded_dot, linen
 from handler_model import HandlerModel
 from helpers import call, native_library, random_inputs, relative_error
 
@@ -206,6 +206,42 @@ def test_inference_batch_sharded_equals_one_device(request, implementation, mode
     # The model is plain JAX, which XLA could split by itself: what shows that
     # the call was split is that it was traced with one device's rows.
     assert (B // DEVICES, T, spec.input_size) in model.x_shapes, model.x_shapes
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_step_call_moves_no_rows(monkeypatch, mode):
+  """A one-step call of a float32 model at the sizes where, on one device,
+  the "xla" path multiplies the whole opaque buffer (`_one_step.plan`): its
+  pieces stacked along the batch, whose per-matrix columns cut across the
+  devices' parts (an all-to-all and a collective-permute each call, before
+  session 90). With several devices it multiplies the sliced matrices: no
+  rows move, and the values are one device's."""
+  spec = jcr.CudnnGRU(1, 256, 256)
+  x, h, _ = random_inputs(spec, 1, B, seed=7)
+  x, h = np.float32(x), np.float32(h)
+  params = np.asarray(spec.init_params(jax.random.key(8)))
+  lengths = np.array([1, 0, 1, 1, 0, 1, 1, 1], np.int32)
+  with monkeypatch.context() as m:
+    m.setattr(jax, "device_count", lambda *backend: 1)
+    assert _one_step.plan(spec, 0, jax.ShapeDtypeStruct(x.shape, x.dtype), False) is not None
+
+  def infer(x, h, params, lengths):
+    return call(spec, x, h, None, params, is_training=False, seq_lengths=lengths,
+                implementation="xla")[:2]
+
+  want = _one_device(("one step", "xla"), lambda: jax.jit(infer)(x, h, params, lengths))
+  mesh = _mesh(mode)
+  with _in(mesh, mode):
+    sharded = _shard(mesh, (x, h, None, params, lengths), time_major=True)
+    f = jax.jit(infer)
+    operands = sharded[:2] + sharded[3:]
+    got = f(*operands)
+    compiled = f.lower(*operands).compile().as_text()
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+  assert _spec_at(got[0], 1) == "data" and _spec_at(got[1], 1) == "data", got[0].sharding
+  for collective in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
+    assert collective not in compiled, collective
 
 
 @pytest.mark.parametrize("implementation", ["xla", "cudnn"])

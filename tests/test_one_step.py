@@ -148,7 +148,8 @@ def test_whole_buffer_rule():
   """Where a one-step call takes the whole buffer (`_one_step.plan`): not in a
   loop that closes over its weights, not over more than one step, not for a
   float64 or bfloat16 model, not with pieces below 128 or small matrices, nor past
-  `MAX_EXTRA_PRODUCTS` (hand-counted by `extra_products`), nor on a GPU."""
+  `MAX_EXTRA_PRODUCTS` (hand-counted by `extra_products`), nor on a GPU, nor
+  where JAX has several devices (`sharded_cases.py` checks a sharded call)."""
   gru, lstm = jcr.CudnnGRU(1, 256, 256), jcr.CudnnLSTM(1, 256, 256)
   step = lambda batch, dtype=jnp.float32, steps=1: jax.ShapeDtypeStruct((steps, batch, 256),
                                                                         dtype)
@@ -202,6 +203,9 @@ def test_whole_buffer_rule():
                         looped=False) is None
   with pytest.MonkeyPatch.context() as m:
     m.setattr(jax, "default_backend", lambda: "gpu")
+    assert _one_step.plan(gru, 0, step(8), looped=False) is None
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(jax, "device_count", lambda *backend: 4)
     assert _one_step.plan(gru, 0, step(8), looped=False) is None
 
 
