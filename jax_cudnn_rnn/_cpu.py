@@ -25,6 +25,11 @@ Its vendor decides one rule more: a decoder's loop multiplies an LSTM's
 gate blocks apart (`_xla._gate_blocks_in_loop`) except on AMD's CPUs, where
 that lost on a Zen 4 (session 86) though it gained on the Xeon (session 78).
 
+And whether a CPU is JAX's only device (`sole_device`): the rules that cut a
+layer's batch into lanes or stack its sequences into one product
+(`_lanes.forward_lanes`, `_one_step.plan`) were measured there, and with the
+batch split over several devices they would cut across the devices' parts.
+
 DESIGN §4 has no module for this: it is here, rather than in `_xla.py`, so
 that tests can stand in a CPU of either kind (`flags`).
 """
@@ -34,8 +39,16 @@ from __future__ import annotations
 import functools
 import pathlib
 
+import jax
+
 CPUINFO = pathlib.Path("/proc/cpuinfo")
 CACHES = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def sole_device() -> bool:
+  """Whether JAX computes on a CPU, its only device (read at each call: the
+  tests stand in other hosts)."""
+  return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
 @functools.cache

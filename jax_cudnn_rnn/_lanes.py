@@ -271,8 +271,7 @@ def forward_lanes(mode, operands, xs, R) -> str | None:
     return None
   if not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
     return None  # symbolic (a shape-polymorphic `jax.export`)
-  if (steps < _chunks.MIN_CHUNKED_STEPS or jax.default_backend() != "cpu"
-      or jax.device_count() != 1):
+  if steps < _chunks.MIN_CHUNKED_STEPS or not _cpu.sole_device():
     return None
   nbytes = R[0].size * products.itemsize
   if bfloat16:

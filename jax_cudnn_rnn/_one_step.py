@@ -94,7 +94,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cudnn_rnn import _layout, _reference, _spec
+from jax_cudnn_rnn import _cpu, _layout, _reference, _spec
 
 MIN_PIECE = 128
 MIN_ELEMENTS = 128 * 1024
@@ -127,15 +127,14 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   wide (`_input_piece`), at least `MIN_ELEMENTS` in a direction's matrices
   of the layer (`matrix_elements`), and at most `MAX_EXTRA_PRODUCTS`
   multiplications more than the layer's own products need for each weight
-  they no longer copy (`extra_products`), on a CPU, in a process of one
-  device (the module docstring)."""
+  they no longer copy (`extra_products`), on a CPU that is JAX's only
+  device (`_cpu.sole_device`; the module docstring)."""
   steps, batch = x.shape[:2]
   if looped or not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
     return None
   if steps != 1 or np.dtype(x.dtype) != np.float32:
     return None
-  if (np.dtype(spec.dtype) != np.float32 or jax.default_backend() != "cpu"
-      or jax.device_count() != 1):
+  if np.dtype(spec.dtype) != np.float32 or not _cpu.sole_device():
     return None
   H, g = spec.num_units, spec.num_gates
   has_w = spec.layer_has_input_weights(layer)
