@@ -25,6 +25,11 @@ Its vendor decides one rule more: a decoder's loop multiplies an LSTM's
 gate blocks apart (`_xla._gate_blocks_in_loop`) except on AMD's CPUs, where
 that lost on a Zen 4 (session 86) though it gained on the Xeon (session 78).
 
+And whether it has AVX-512 (`avx512`): a decoder's loop multiplies gate blocks
+(`_xla._gate_blocks_in_loop`) only where it does, or where the flags are
+unknown; on a 2-core Zen 3 (AVX2 without AVX-512) a GRU's blocks lost where
+those of the Xeon and the Zen 4 (both with AVX-512) gained (session 91).
+
 And whether a CPU is JAX's only device (`sole_device`): the rules that cut a
 layer's batch into lanes or stack its sequences into one product
 (`_lanes.forward_lanes`, `_one_step.plan`) were measured there, and with the
@@ -94,6 +99,13 @@ def bfloat16_products() -> str | None:
   if "amx_bf16" in f:
     return "amx"
   return "avx512_bf16" if "avx512_bf16" in f else None
+
+
+def avx512() -> bool | None:
+  """Whether this CPU has AVX-512 (its foundation, `avx512f`), or None where
+  the flags are unknown."""
+  f = flags()
+  return None if f is None else "avx512f" in f
 
 
 X86_VENDORS = ("GenuineIntel", "AuthenticAMD")

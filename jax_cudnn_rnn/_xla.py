@@ -425,6 +425,22 @@ LOOP_TRANSPOSED_NARROW_MAX_BYTES = 1 << 20  # ... transposes an R up to this, in
 #   297.5 and 341.9 -> 289.2, Flax's 323.4 and 328.4), where the Xeon had run
 #   level (252.8 -> 248.3): a wider input takes blocks up to
 #   `GATE_BLOCKS_WIDE_INPUT_BATCH` sequences, on any CPU.
+# And on a 2-core AMD EPYC Zen 3 (family 25 model 1, AVX2 without AVX-512,
+# 512 KiB of L2 a core) a GRU's blocks lost too, with gate blocks (the same
+# program timed twice, its spread) -> without (Flax's cells), us a token
+# (benchmarks/NOTES.md, session 91):
+# - under an input of 128 or less, at every batch: I128 H256 B2 66.6, 64.9 ->
+#   56.9 (56.9), B4 87.8, 91.9 -> 75.9 (81.6), B8 157.7, 156.9 -> 133.1
+#   (139.0), B16 246.2, 251.0 -> 194.0 (223.8) and 248.3, 250.5 -> 210.6
+#   (236.1), B24 302.1, 312.5 -> 271.0 (291.2), B32 434.8, 416.4 -> 331.9
+#   (406.3); I64 H256 B8 134.5, 136.1 -> 115.3 (125.6);
+# - level elsewhere: I256 H256 B4 127.4, 127.6 -> 128.2, B8 213.0, 212.3 ->
+#   211.2, B16 341.1, 352.1 -> 346.4, B24 438.8, 434.0 -> 429.0; I128 H192 B8
+#   97.9, 102.7 -> 94.2, B16 145.8, 150.6 -> 152.8, B32 307.2, 301.3 -> 304.3;
+#   I256 H192 B8 110.1, 126.7 -> 129.0.
+# So gate blocks are taken only on a CPU with AVX-512 (`_cpu.avx512`; the
+# Xeon and the Zen 4 have it), or whose flags are unknown (as measured
+# first); which of the Zen 3's differences decides it was not taken apart.
 GATE_BLOCKS_HIDDEN = (192, 256)  # the hidden sizes, included
 GATE_BLOCKS_BATCH = (2, 32)  # the sequences, included
 GATE_BLOCKS_WIDE_INPUT_BATCH = 24  # ... under an input wider than LOOP_TRANSPOSED_NARROW_INPUT
@@ -440,14 +456,16 @@ def _gate_blocks_in_loop(mode, operands, xs, R) -> bool:
   `GATE_BLOCKS_HIDDEN` units, `GATE_BLOCKS_BATCH` sequences (at most
   `GATE_BLOCKS_WIDE_INPUT_BATCH` under an input wider than
   `LOOP_TRANSPOSED_NARROW_INPUT`), for an LSTM an input at most that wide and
-  a CPU not of `GATE_BLOCKS_LSTM_EXCEPT_VENDORS`, on a CPU. `R`: the
-  transposed recurrent matrices, `[H, g*H]`."""
+  a CPU not of `GATE_BLOCKS_LSTM_EXCEPT_VENDORS`, on a CPU with AVX-512 or
+  whose flags are unknown (`_cpu.avx512`). `R`: the transposed recurrent
+  matrices, `[H, g*H]`."""
   batch, hidden = xs[0].shape[1], R[0].shape[0]
   narrow = xs[0].shape[-1] <= LOOP_TRANSPOSED_NARROW_INPUT
   return (mode in ("lstm", "gru") and _float32_loop_on_cpu(operands, R, batch)
           and GATE_BLOCKS_BATCH[0] <= batch
           and batch <= (GATE_BLOCKS_BATCH[1] if narrow else GATE_BLOCKS_WIDE_INPUT_BATCH)
           and GATE_BLOCKS_HIDDEN[0] <= hidden <= GATE_BLOCKS_HIDDEN[1]
+          and _cpu.avx512() is not False
           and (mode == "gru"
                or (narrow and _cpu.vendor() not in GATE_BLOCKS_LSTM_EXCEPT_VENDORS)))
 

@@ -610,6 +610,13 @@ def test_bfloat16_products_reads_the_cpu_flags(monkeypatch):
     assert _cpu.bfloat16_products() == kind, flags
 
 
+def test_avx512_reads_the_cpu_flags(monkeypatch):
+  for flags, has in ((frozenset({"avx2", "fma", "avx512f"}), True), (AVX512_BF16, True),
+                     (frozenset({"avx2", "fma"}), False), (frozenset(), False), (None, None)):
+    monkeypatch.setattr(_cpu, "flags", lambda: flags)
+    assert _cpu.avx512() is has, flags
+
+
 def test_bfloat16_products_fast_by_cpu(monkeypatch):
   """Quick where measured so: AMX, or AVX512-BF16 on an AMD CPU; slow where
   measured so: an Intel CPU with AVX512-BF16 and AVX512-FP16 but no AMX (a
@@ -1134,11 +1141,12 @@ def test_decoder_loop_multiplies_gate_blocks(cls, monkeypatch):
   transposed columns apart, one product a gate for the input and one for the
   state, on the step axis kept (`_xla._gate_blocks_in_loop`); one sequence,
   one more, a hidden size either side of the window, an LSTM's wider input
-  or AMD CPU, bfloat16, or a GPU keep the stacked or opaque products.
-  Values and gradients against the reference's loop, with lengths (0 among
-  them), over two bidirectional layers. On an Intel CPU, as measured, whatever
-  the host's."""
+  or AMD CPU, a CPU without AVX-512, bfloat16, or a GPU keep the stacked or
+  opaque products. Values and gradients against the reference's loop, with
+  lengths (0 among them), over two bidirectional layers. On an Intel CPU
+  with AVX-512, as measured, whatever the host's."""
   monkeypatch.setattr(_cpu, "vendor", lambda: "GenuineIntel")
+  monkeypatch.setattr(_cpu, "avx512", lambda: True)
   low, high = _xla.GATE_BLOCKS_HIDDEN
   narrow = _xla.LOOP_TRANSPOSED_NARROW_INPUT
   g = cls(1, 8, 8).num_gates
@@ -1165,6 +1173,15 @@ def test_decoder_loop_multiplies_gate_blocks(cls, monkeypatch):
       m.setattr(_cpu, "vendor", lambda: vendor)
       assert (products(low, narrow, 4) == 2 * g) is blocks, vendor
       assert (products(high, narrow, hi_batch) == 2 * g) is blocks, vendor
+  # A CPU without AVX-512 (the Zen 3 measured) keeps them for either cell, of
+  # either vendor; one whose flags are unknown takes the blocks.
+  for vendor, avx512, blocks in (("AuthenticAMD", False, False), ("GenuineIntel", False, False),
+                                 ("GenuineIntel", None, True)):
+    with pytest.MonkeyPatch.context() as m:
+      m.setattr(_cpu, "vendor", lambda: vendor)
+      m.setattr(_cpu, "avx512", lambda: avx512)
+      assert (products(low, narrow, 4) == 2 * g) is blocks, (vendor, avx512)
+      assert (products(high, narrow + 1, 8) == 2 * g) is (blocks and cls is jcr.CudnnGRU), avx512
   assert products(low, narrow, 4, dtype=jnp.bfloat16) == 2
   with pytest.MonkeyPatch.context() as m:
     m.setattr(jax, "default_backend", lambda: "gpu")
