@@ -1167,21 +1167,19 @@ def test_decoder_loop_multiplies_gate_blocks(cls, monkeypatch):
   for hidden, batch in ((low - 1, 4), (high + 1, 4), (low, 1), (low, hi_batch + 1)):
     assert products(hidden, narrow, batch) < 2 * g, (hidden, batch)
   # An AMD CPU's LSTM keeps its stacked or opaque products; its GRU, the blocks.
-  # (A vendor not known keeps them: as measured first.)
-  for vendor, blocks in (("AuthenticAMD", cls is jcr.CudnnGRU), (None, True)):
-    with pytest.MonkeyPatch.context() as m:
-      m.setattr(_cpu, "vendor", lambda: vendor)
-      assert (products(low, narrow, 4) == 2 * g) is blocks, vendor
-      assert (products(high, narrow, hi_batch) == 2 * g) is blocks, vendor
-  # A CPU without AVX-512 (the Zen 3 measured) keeps them for either cell, of
-  # either vendor; one whose flags are unknown takes the blocks.
-  for vendor, avx512, blocks in (("AuthenticAMD", False, False), ("GenuineIntel", False, False),
+  # (A vendor not known keeps them: as measured first.) A CPU without AVX-512
+  # (the Zen 3 measured) keeps them for either cell, of either vendor; one
+  # whose flags are unknown takes the blocks. A wide input's blocks: a GRU's.
+  gru = cls is jcr.CudnnGRU
+  for vendor, avx512, blocks in (("AuthenticAMD", True, gru), (None, True, True),
+                                 ("AuthenticAMD", False, False), ("GenuineIntel", False, False),
                                  ("GenuineIntel", None, True)):
     with pytest.MonkeyPatch.context() as m:
       m.setattr(_cpu, "vendor", lambda: vendor)
       m.setattr(_cpu, "avx512", lambda: avx512)
       assert (products(low, narrow, 4) == 2 * g) is blocks, (vendor, avx512)
-      assert (products(high, narrow + 1, 8) == 2 * g) is (blocks and cls is jcr.CudnnGRU), avx512
+      assert (products(high, narrow, hi_batch) == 2 * g) is blocks, (vendor, avx512)
+      assert (products(high, narrow + 1, 8) == 2 * g) is (blocks and gru), (vendor, avx512)
   assert products(low, narrow, 4, dtype=jnp.bfloat16) == 2
   with pytest.MonkeyPatch.context() as m:
     m.setattr(jax, "default_backend", lambda: "gpu")
@@ -1193,7 +1191,6 @@ def test_decoder_loop_multiplies_gate_blocks(cls, monkeypatch):
   # Layer 0 in gate blocks, both directions, on the step axis kept; layer 1's
   # input (2H) is wider than an LSTM's blocks take: the opaque blocks, in a
   # loop of their own.
-  gru = cls is jcr.CudnnGRU
   assert _products_per_token(fast, x, h, c, params) == (8 * g if gru else 4 * g + 2 * 2)
   assert _loops_per_token(fast, x, h, c, params) == (0 if gru else 1)
   tol = dict(rtol=2e-5, atol=2e-5)
