@@ -1,4 +1,5 @@
-"""A single one-step call that multiplies the whole opaque buffer at once.
+"""A single one-step call that multiplies the opaque buffer where it lies:
+the whole buffer at once, or one sequence's matrices in place.
 
 DESIGN §4 has no module for this: it is one rule of the "xla" path's forward
 (`_xla._layer`), kept here beside its measurements, as `_lanes` and `_chunks`
@@ -73,6 +74,50 @@ its B32 at I = H = 256 lost).
 Measured for float32 models on a CPU only: other dtypes, and other backends,
 keep the slices.
 
+One sequence (B = 1) multiplies each matrix where it lies instead, as
+`v @ m^T` for the slice `m` of the flat buffer, which XLA:CPU fuses, slice,
+transpose and all, into one kernel of matrix-vector products
+(`copy_dot_fusion`): nothing copied, and no row read but the matrix's own,
+where the whole buffer's product reads every layer's rows for each layer (a
+two-layer model's twice). Written as one `dot_general` contracting `m`'s
+rows, the same product, XLA copied the slice out first and gained nothing
+(a two-layer GRU I256 H256 call 391 -> 413 us).
+The products go through a barrier, else XLA fuses an LSTM's two into one
+kernel that needs the transposed matrix (a one-layer LSTM B1 I256 H256 call
+took 1370 us so, against 498). A batch of more than one gets no such fusion:
+XLA copies the slice first. A single jitted call on the 2-core Zen 3, us, the
+whole buffer (or, in brackets where its bounds turn it down, the slices) ->
+the matrix-vector products (Flax's cells), one process a line, 400-600 calls
+in 20-30 interleaved rounds (benchmarks/NOTES.md, session 92):
+- more than one layer: GRU I256 H256 two layers 404 -> 309 (226), 409 -> 329
+  (238); LSTM the same 498 -> 389 (664), 508 -> 405 (830); LSTM I64 H128
+  three layers (365) -> 129 (389); LSTM I512 H512 four layers 10130 -> 2581
+  (25560); GRU H256 I128 two layers 594 -> 273; two bidirectional GRU layers
+  I = H = 256 914 -> 571;
+- one layer below the bounds (the slices): LSTM I64 H128 (151) -> 73 (154),
+  GRU (93) -> 71 (85); LSTM H256 I64 (516) -> 229, GRU (260) -> 190; GRU I32
+  H32 (71) -> 72 (93);
+- one layer within them: tanh I = H = 256 213 -> 114; LSTM I = H = 128 216
+  -> 82; LSTM I = H = 256 286 -> 263 (423), 254 -> 217, 234 -> 235; GRU 249 ->
+  242 (170); GRU I = H = 512 420 -> 411 (336), 347 -> 316; LSTM I = H = 1024
+  2265 -> 2213 (27062); GRU H512 I256 354 -> 320, 402 -> 375, 336 -> 296;
+  GRU H512 I128 341 -> 286; GRU H384 I128 241 -> 210; LSTM H384 I128 284 ->
+  239; GRU H128 I256 102 -> 85; bidirectional: LSTM I = H = 256 339 -> 332,
+  GRU 256 -> 233, GRU H256 I128 280 -> 226;
+- but a lone layer over a small buffer whose input is narrower than its
+  state lost: GRU H256 I128 164 -> 194, 165 -> 210, 128 -> 158, 154 -> 200,
+  144 -> 193 (Flax's 120-159); LSTM the same 177 -> 233, 178 -> 238, 175 ->
+  235, 160 -> 212; LSTM H192 I128 133 -> 178. Those keep the whole buffer
+  (`_whole_buffer_for_one_sequence`: one layer of one direction, an input
+  narrower than the state, at most `ONE_SEQUENCE_WHOLE_MAX_ELEMENTS` in the
+  buffer; GRU H384 I128, 590 Ki elements, gained).
+On one core (`taskset`) the products gained there too (GRU H256 I128 156 ->
+132; I = H = 256 220 -> 148; two layers 537 -> 218): XLA:CPU splits each
+fused kernel of more than 512 KiB (by its cost model, which counts the whole
+buffer for some) over both threads, and on two cores the second thread's
+hand-offs cost the difference; the kernels cannot be kept whole from here
+(row blocks of 128 or 256 were split too, and slower).
+
 Nor where JAX has several devices (as `_lanes` does not run there). The
 pieces stack along the batch axis (`[x; h]`), and each matrix's product is
 then a range of the result's columns `B` wide: with the batch split over
@@ -99,6 +144,7 @@ from jax_cudnn_rnn import _cpu, _layout, _reference, _spec
 MIN_PIECE = 128
 MIN_ELEMENTS = 128 * 1024
 MAX_EXTRA_PRODUCTS = {"lstm": 24, "gru": 32, "rnn_tanh": 32, "rnn_relu": 32}
+ONE_SEQUENCE_WHOLE_MAX_ELEMENTS = 1 << 19
 
 
 class Plan(NamedTuple):
@@ -110,25 +156,31 @@ class Plan(NamedTuple):
   `inputs`, `x_piece`: the layer's input size and its pieces' (None under
   skip_input: no input matrix); `w_rows[d]`, `r_rows[d]`: the first row of
   direction `d`'s input matrix in the input's view (None under skip_input)
-  and of its recurrent matrix in the state's."""
+  and of its recurrent matrix in the state's. `matvec`: one sequence, whose
+  products take each matrix where it lies instead (the module docstring),
+  at the offset its rows give."""
   size: int
   inputs: int | None
   x_piece: int | None
   hidden: int
   w_rows: tuple
   r_rows: tuple
+  matvec: bool = False
 
 
 def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
-  """The plan of `layer`'s one-step call over the whole buffer, or None where
+  """The plan of `layer`'s one-step call over the buffer as it lies, or None where
   it multiplies sliced matrices (`_xla._forward`): a call not in a loop that
   closes over its weights (`looped`), one step (`x [T, B, in]`, time-major,
-  in the computation dtype), a float32 model, views at least `MIN_PIECE`
-  wide (`_input_piece`), at least `MIN_ELEMENTS` in a direction's matrices
-  of the layer (`matrix_elements`), and at most `MAX_EXTRA_PRODUCTS`
-  multiplications more than the layer's own products need for each weight
-  they no longer copy (`extra_products`), on a CPU that is JAX's only
-  device (`_cpu.sole_device`; the module docstring)."""
+  in the computation dtype), a float32 model, on a CPU that is JAX's only
+  device (`_cpu.sole_device`; the module docstring); then, for one sequence,
+  the matrix-vector products (`matvec`) but where
+  `_whole_buffer_for_one_sequence`, else the whole buffer's products, where
+  its views are at least `MIN_PIECE` wide (`_input_piece`), a direction's
+  matrices of the layer hold at least `MIN_ELEMENTS` (`matrix_elements`),
+  and they make at most `MAX_EXTRA_PRODUCTS` multiplications more than the
+  layer's own products need for each weight they no longer copy
+  (`extra_products`)."""
   steps, batch = x.shape[:2]
   if looped or not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
     return None
@@ -139,8 +191,10 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   H, g = spec.num_units, spec.num_gates
   has_w = spec.layer_has_input_weights(layer)
   x_piece = _input_piece(spec, layer) if has_w else None
-  if (min(H, x_piece or H) < MIN_PIECE or matrix_elements(spec, layer) < MIN_ELEMENTS
-      or extra_products(spec, layer, batch) > MAX_EXTRA_PRODUCTS[spec.rnn_mode]):
+  whole = (min(H, x_piece or H) >= MIN_PIECE and matrix_elements(spec, layer) >= MIN_ELEMENTS
+           and extra_products(spec, layer, batch) <= MAX_EXTRA_PRODUCTS[spec.rnn_mode])
+  matvec = batch == 1 and not (whole and _whole_buffer_for_one_sequence(spec))
+  if not (whole or matvec):
     return None
   weights, _ = _layout.tensors(spec)
   # Every block's size, a matrix's `g*H x in` or a bias's `H` times a gate
@@ -151,7 +205,16 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   dirs = range(spec.num_dirs)
   return Plan(_layout.params_size(spec), spec.layer_input_size(layer) if has_w else None,
               x_piece, H, tuple(first[d, 0] // x_piece if has_w else None for d in dirs),
-              tuple(first[d, 1] // H for d in dirs))
+              tuple(first[d, 1] // H for d in dirs), matvec)
+
+
+def _whole_buffer_for_one_sequence(spec) -> bool:
+  """Whether one sequence's call keeps the whole buffer's products (where
+  those bounds take it) rather than the matrix-vector products: one layer of
+  one direction whose input is narrower than its state, at most
+  `ONE_SEQUENCE_WHOLE_MAX_ELEMENTS` in the buffer (the module docstring)."""
+  return (spec.num_layers == 1 and spec.num_dirs == 1 and spec.input_size < spec.num_units
+          and _layout.params_size(spec) <= ONE_SEQUENCE_WHOLE_MAX_ELEMENTS)
 
 
 def _input_piece(spec, layer: int) -> int:
@@ -198,7 +261,60 @@ def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
   outputs the mask drops."""
   g, H = _spec.NUM_GATES[mode], plan.hidden
   x = xs[0][0]
-  B = x.shape[0]
+  if plan.matvec:
+    input_product, state_product = _matvec_products(g, plan, x, h0, buffer)
+  else:
+    input_product, state_product = _view_products(g, plan, x, h0, buffer)
+  # The cell on the step axis kept, `[1, B, .]`, as `_reference.forward_scan`'s
+  # `step_axis` runs it, for its reason: the new states are the outputs, not
+  # reshapes of them, which XLA:CPU fused into kernels of their own (an LSTM's
+  # cell five kernels -> two; a GRU's program is the same either way). One
+  # jitted call, us, before -> after (Flax's cells), one process each: LSTM
+  # I256 H256 B8 434.1 -> 425.7 (919.1; paired round by round 0.94x), two
+  # layers B1 591.6 -> 591.7 (766.9; 0.99x); the GRU's unchanged program, as
+  # a measure of the noise, B8 332.7 -> 321.7, B32 I128 619.5 -> 619.2
+  # (benchmarks/NOTES.md, session 76).
+  in_bias = _reference.input_bias(mode, bW, bR)
+  ys, hT, cT = [], [], []
+  for d in range(len(h0)):
+    if plan.inputs is None:
+      xp = _reference.project(x, None, g)
+    else:
+      xp = input_product(d)
+    xp = xp[None] + _reference.lift(in_bias[d], 3)
+    rec = state_product(d)[None]
+    if mode == "gru":
+      rec = rec + _reference.lift(bR[d], 3)
+    h_prev, c_prev = h0[d][None], None if c0 is None else c0[d][None]
+    h, c = _reference._cell(mode, xp, rec, h_prev, c_prev)
+    h, c, out = _reference.mask(valid, h, c, h_prev, c_prev)
+    ys.append(out)
+    hT.append(h[0])
+    cT.append(None if c is None else c[0])
+  return tuple(ys), tuple(hT), None if c0 is None else tuple(cT)
+
+
+def _matvec_products(g: int, plan: Plan, x, h0, buffer):
+  """`(input_product, state_product)`: direction `d`'s `[1, g*H]` products
+  of one sequence's input `x [1, in]` and state `h0[d]` with the matrices
+  sliced where they lie in `buffer`, each fused with its slice (the module
+  docstring)."""
+  H = plan.hidden
+
+  def product(offset, columns, v):
+    # `v @ m.T`, the form XLA:CPU fuses with the slice (the module docstring).
+    m = jax.lax.slice(buffer, (offset,), (offset + g * H * columns,)).reshape(g * H, columns)
+    return jax.lax.optimization_barrier(v @ m.T)
+
+  return (lambda d: product(plan.w_rows[d] * plan.x_piece, plan.inputs, x),
+          lambda d: product(plan.r_rows[d] * H, H, h0[d]))
+
+
+def _view_products(g: int, plan: Plan, x, h0, buffer):
+  """`(input_product, state_product)`: direction `d`'s `[B, g*H]` products
+  of the input `x [B, in]` and its state `h0[d]`, taken from products of the
+  whole `buffer`, one a view width (the module docstring)."""
+  B, H = x.shape[0], plan.hidden
   stacks = {}  # a view's width -> the `[B, width]` pieces that multiply it
 
   def add(width, pieces):
@@ -227,30 +343,5 @@ def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
     parts = [block[:, p, (first + p) * B:(first + p + 1) * B] for p in range(m)]
     return sum(parts[1:], parts[0]).T
 
-  # The cell on the step axis kept, `[1, B, .]`, as `_reference.forward_scan`'s
-  # `step_axis` runs it, for its reason: the new states are the outputs, not
-  # reshapes of them, which XLA:CPU fused into kernels of their own (an LSTM's
-  # cell five kernels -> two; a GRU's program is the same either way). One
-  # jitted call, us, before -> after (Flax's cells), one process each: LSTM
-  # I256 H256 B8 434.1 -> 425.7 (919.1; paired round by round 0.94x), two
-  # layers B1 591.6 -> 591.7 (766.9; 0.99x); the GRU's unchanged program, as
-  # a measure of the noise, B8 332.7 -> 321.7, B32 I128 619.5 -> 619.2
-  # (benchmarks/NOTES.md, session 76).
-  in_bias = _reference.input_bias(mode, bW, bR)
-  ys, hT, cT = [], [], []
-  for d in range(len(h0)):
-    if plan.inputs is None:
-      xp = _reference.project(x, None, g)
-    else:
-      xp = matrix(plan.x_piece, plan.w_rows[d], plan.inputs, x_first)
-    xp = xp[None] + _reference.lift(in_bias[d], 3)
-    rec = matrix(H, plan.r_rows[d], H, h_first[d])[None]
-    if mode == "gru":
-      rec = rec + _reference.lift(bR[d], 3)
-    h_prev, c_prev = h0[d][None], None if c0 is None else c0[d][None]
-    h, c = _reference._cell(mode, xp, rec, h_prev, c_prev)
-    h, c, out = _reference.mask(valid, h, c, h_prev, c_prev)
-    ys.append(out)
-    hT.append(h[0])
-    cT.append(None if c is None else c[0])
-  return tuple(ys), tuple(hT), None if c0 is None else tuple(cT)
+  return (lambda d: matrix(plan.x_piece, plan.w_rows[d], plan.inputs, x_first),
+          lambda d: matrix(H, plan.r_rows[d], H, h_first[d]))

@@ -210,6 +210,85 @@ def test_whole_buffer_rule():
 
 
 @pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("layers,units,inputs,direction,input_mode",
+                         SMALL + [(2, 256, 256, "unidirectional", "linear_input")])
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_one_sequence_multiplies_matrices_in_place(cls, layers, units, inputs, direction,
+                                                   input_mode):
+  """One sequence's one-step call (`Plan.matvec`), no bound patched: no
+  product of the whole buffer, and values equal to numpy's RNN in float64,
+  with and without lengths."""
+  spec = cls(layers, units, inputs, direction=direction, input_mode=input_mode,
+             dtype=jnp.float32)
+  assert all(_one_step.plan(spec, layer, jax.ShapeDtypeStruct((1, 1, spec.layer_input_size(
+      layer)), jnp.float32), looped=False).matvec for layer in range(layers))
+  weights, biases = random_canonical(spec, seed=3, scale=0.1 if units > 64 else 0.5)
+  cpu = jax.devices("cpu")[0]
+  params = jax.device_put(spec.canonical_to_params(weights, biases), cpu)
+  x, h, c = jax.device_put(random_inputs(spec, 1, 1), cpu)
+  for lengths in (None, np.array([0], np.int32)):
+    run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla",
+                                  seq_lengths=lengths)
+    assert _whole_buffer_products(run, x, h, c, params) == []
+    got = jax.jit(run)(x, h, c, params)
+    want = _numpy(spec, weights, biases, x, h, c, lengths)
+    for a, b in zip(got, want):
+      if b is not None:
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("layers,units,inputs,direction", [(2, 256, 256, "unidirectional"),
+                                                           (2, 64, 32, "bidirectional")])
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_one_sequence_copies_no_matrix(cls, layers, units, inputs, direction):
+  """One sequence's one-step call compiled for the CPU: its temporary
+  buffers hold less than its smallest matrix, for XLA fused each slice into
+  its product (copied out, as where the product is written as one
+  `dot_general` contracting the matrix's rows, they take every matrix's
+  size: this fails so)."""
+  spec = cls(layers, units, inputs, direction=direction, dtype=jnp.float32)
+  cpu = jax.devices("cpu")[0]
+  params = jax.device_put(spec.init_params(jax.random.key(2)), cpu)
+  x, h, c = jax.device_put(random_inputs(spec, 1, 1), cpu)
+  run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla")
+  temp = jax.jit(run).lower(x, h, c, params).compile().memory_analysis().temp_size_in_bytes
+  weights, _ = spec.params_to_canonical(params)
+  smallest = min(w.size for w in weights) * spec.num_gates * 4
+  assert temp < smallest, (temp, smallest)
+
+
+@pytest.mark.usefixtures("cpu_host")
+def test_one_sequence_rule():
+  """Where one sequence's one-step call takes the matrix-vector products:
+  at any size, but a lone layer of one direction whose input is narrower
+  than its state, with at most `ONE_SEQUENCE_WHOLE_MAX_ELEMENTS` in the
+  buffer, keeps the whole buffer's products (and where those bounds do not
+  take it, the matrix-vector products); more sequences do not."""
+  one = lambda spec, batch=1, layer=0: _one_step.plan(
+      spec, layer, jax.ShapeDtypeStruct((1, batch, spec.layer_input_size(layer)), jnp.float32),
+      looped=False)
+  assert one(jcr.CudnnGRU(1, 256, 128)) == _one_step.Plan(
+      jcr.CudnnGRU(1, 256, 128).params_size(), 128, 128, 256, (0,), (384,), matvec=False)
+  assert jcr.CudnnLSTM(1, 256, 128).params_size() <= _one_step.ONE_SEQUENCE_WHOLE_MAX_ELEMENTS
+  assert not one(jcr.CudnnLSTM(1, 256, 128)).matvec
+  assert jcr.CudnnGRU(1, 384, 128).params_size() > _one_step.ONE_SEQUENCE_WHOLE_MAX_ELEMENTS
+  assert one(jcr.CudnnGRU(1, 384, 128)).matvec
+  assert one(jcr.CudnnGRU(2, 256, 128)).matvec
+  assert one(jcr.CudnnGRU(2, 256, 128), layer=1).matvec
+  assert one(jcr.CudnnGRU(1, 256, 128, direction="bidirectional")).matvec
+  assert one(jcr.CudnnGRU(1, 128, 256)).matvec  # an input wider than the state
+  assert one(jcr.CudnnGRU(1, 256, 256)).matvec
+  # Below the whole buffer's bounds: pieces of 64.
+  assert one(jcr.CudnnLSTM(1, 256, 64)).matvec
+  assert one(jcr.CudnnLSTM(1, 256, 64), batch=2) is None
+  assert one(jcr.CudnnGRU(1, 256, 256), batch=2).matvec is False
+  assert _one_step.plan(jcr.CudnnGRU(1, 256, 256), 0, jax.ShapeDtypeStruct((1, 1, 256),
+                                                                          jnp.float32),
+                        looped=True) is None
+
+
+@pytest.mark.usefixtures("cpu_host")
 def test_decoders_loop_keeps_the_slices():
   """A decoder's `lax.scan` of one-step calls closing over the buffer keeps
   the slices, whose copies XLA hoists out of the loop; one carrying it
