@@ -111,7 +111,19 @@ in 20-30 interleaved rounds (benchmarks/NOTES.md, session 92):
   (`_whole_buffer_for_one_sequence`: one layer of one direction, an input
   narrower than the state, at most `ONE_SEQUENCE_WHOLE_MAX_ELEMENTS` in the
   buffer; GRU H384 I128, 590 Ki elements, gained).
-On one core (`taskset`) the products gained there too (GRU H256 I128 156 ->
+A bfloat16 model's one sequence takes them too (its input and state
+rounded to bfloat16 where they meet a weight matrix, the products
+accumulated in float32: the values of its sliced products, bit for bit),
+where a direction's matrices of the layer hold at least `MIN_ELEMENTS`: us,
+the slices (which it took before at every size) -> the products: LSTM
+I = H = 128 516 -> 291, 364 -> 211; GRU I = H = 192 428 -> 198; GRU I = H =
+160 500 -> 142; GRU H256 I64 557 -> 396; GRU I = H = 256 288 -> 228; two
+layers 327 -> 251; LSTM two layers 531 -> 317; LSTM I = H = 512 765 -> 405.
+Smaller ones lost: LSTM H128 I96 120 -> 188, I64 108 -> 172 and 146 -> 222;
+GRU H128 I64 121 -> 198; LSTM H64 I128 113 -> 190 (though the GRU I = H =
+128 gained, 131 -> 104, and two layers of it 300 -> 111). float16 and
+float64 models were not measured, and keep the slices.
+On one core (`taskset`) the float32 products gained there too (GRU H256 I128 156 ->
 132; I = H = 256 220 -> 148; two layers 537 -> 218): XLA:CPU splits each
 fused kernel of more than 512 KiB (by its cost model, which counts the whole
 buffer for some) over both threads, and on two cores the second thread's
@@ -158,7 +170,8 @@ class Plan(NamedTuple):
   direction `d`'s input matrix in the input's view (None under skip_input)
   and of its recurrent matrix in the state's. `matvec`: one sequence, whose
   products take each matrix where it lies instead (the module docstring),
-  at the offset its rows give."""
+  at the offset its rows give; `operands`: bfloat16 where those products
+  round their vectors so (a bfloat16 model's), else None."""
   size: int
   inputs: int | None
   x_piece: int | None
@@ -166,34 +179,42 @@ class Plan(NamedTuple):
   w_rows: tuple
   r_rows: tuple
   matvec: bool = False
+  operands: np.dtype | None = None
 
 
 def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   """The plan of `layer`'s one-step call over the buffer as it lies, or None where
   it multiplies sliced matrices (`_xla._forward`): a call not in a loop that
   closes over its weights (`looped`), one step (`x [T, B, in]`, time-major,
-  in the computation dtype), a float32 model, on a CPU that is JAX's only
-  device (`_cpu.sole_device`; the module docstring); then, for one sequence,
-  the matrix-vector products (`matvec`) but where
+  in the computation dtype, float32), on a CPU that is JAX's only device
+  (`_cpu.sole_device`; the module docstring); then, for one sequence, the
+  matrix-vector products (`matvec`) but where
   `_whole_buffer_for_one_sequence`, else the whole buffer's products, where
   its views are at least `MIN_PIECE` wide (`_input_piece`), a direction's
   matrices of the layer hold at least `MIN_ELEMENTS` (`matrix_elements`),
   and they make at most `MAX_EXTRA_PRODUCTS` multiplications more than the
   layer's own products need for each weight they no longer copy
-  (`extra_products`)."""
+  (`extra_products`). Those for a float32 model; a bfloat16 model's one
+  sequence takes the matrix-vector products where its matrices hold at
+  least `MIN_ELEMENTS`, other models none."""
   steps, batch = x.shape[:2]
   if looped or not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
     return None
   if steps != 1 or np.dtype(x.dtype) != np.float32:
     return None
-  if np.dtype(spec.dtype) != np.float32 or not _cpu.sole_device():
+  model = np.dtype(spec.dtype)
+  if model not in (np.float32, jnp.bfloat16) or not _cpu.sole_device():
     return None
   H, g = spec.num_units, spec.num_gates
   has_w = spec.layer_has_input_weights(layer)
   x_piece = _input_piece(spec, layer) if has_w else None
-  whole = (min(H, x_piece or H) >= MIN_PIECE and matrix_elements(spec, layer) >= MIN_ELEMENTS
-           and extra_products(spec, layer, batch) <= MAX_EXTRA_PRODUCTS[spec.rnn_mode])
-  matvec = batch == 1 and not (whole and _whole_buffer_for_one_sequence(spec))
+  large = matrix_elements(spec, layer) >= MIN_ELEMENTS
+  if model == np.float32:
+    whole = (min(H, x_piece or H) >= MIN_PIECE and large
+             and extra_products(spec, layer, batch) <= MAX_EXTRA_PRODUCTS[spec.rnn_mode])
+    matvec = batch == 1 and not (whole and _whole_buffer_for_one_sequence(spec))
+  else:
+    whole, matvec = False, batch == 1 and large
   if not (whole or matvec):
     return None
   weights, _ = _layout.tensors(spec)
@@ -205,7 +226,8 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   dirs = range(spec.num_dirs)
   return Plan(_layout.params_size(spec), spec.layer_input_size(layer) if has_w else None,
               x_piece, H, tuple(first[d, 0] // x_piece if has_w else None for d in dirs),
-              tuple(first[d, 1] // H for d in dirs), matvec)
+              tuple(first[d, 1] // H for d in dirs), matvec,
+              None if model == np.float32 else model)
 
 
 def _whole_buffer_for_one_sequence(spec) -> bool:
@@ -298,10 +320,13 @@ def _matvec_products(g: int, plan: Plan, x, h0, buffer):
   """`(input_product, state_product)`: direction `d`'s `[1, g*H]` products
   of one sequence's input `x [1, in]` and state `h0[d]` with the matrices
   sliced where they lie in `buffer`, each fused with its slice (the module
-  docstring)."""
+  docstring); the vectors rounded to `plan.operands` where it is set (the
+  buffer's values already are: a bfloat16 model's weights)."""
   H = plan.hidden
 
   def product(offset, columns, v):
+    if plan.operands is not None:
+      v = v.astype(plan.operands).astype(v.dtype)
     # `v @ m.T`, the form XLA:CPU fuses with the slice (the module docstring).
     m = jax.lax.slice(buffer, (offset,), (offset + g * H * columns,)).reshape(g * H, columns)
     return jax.lax.optimization_barrier(v @ m.T)

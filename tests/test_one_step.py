@@ -259,6 +259,41 @@ def test_one_sequence_copies_no_matrix(cls, layers, units, inputs, direction):
 
 
 @pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("layers,units,inputs,direction", [(2, 256, 256, "unidirectional"),
+                                                           (1, 384, 128, "bidirectional")])
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_one_sequence_in_bfloat16(cls, layers, units, inputs, direction, monkeypatch):
+  """A bfloat16 model's one sequence (`Plan.operands`): the values of the
+  sliced matrices' products (the plan turned off), bit for bit, for the
+  input and states rounded to bfloat16 where they meet a weight matrix and
+  the products accumulated in float32 as before; near the float32
+  reference; and no matrix copied."""
+  spec = cls(layers, units, inputs, direction=direction, dtype=jnp.bfloat16)
+  plans = [_one_step.plan(spec, layer, jax.ShapeDtypeStruct(
+      (1, 1, spec.layer_input_size(layer)), jnp.float32), looped=False)
+      for layer in range(layers)]
+  assert all(p.matvec and p.operands == jnp.bfloat16 for p in plans), plans
+  cpu = jax.devices("cpu")[0]
+  params = jax.device_put(spec.init_params(jax.random.key(4)), cpu)
+  x, h, c = jax.device_put(random_inputs(spec, 1, 1, seed=5), cpu)
+  run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla")
+  got = jax.jit(run)(x, h, c, params)
+  temp = jax.jit(run).lower(x, h, c, params).compile().memory_analysis().temp_size_in_bytes
+  with monkeypatch.context() as m:
+    m.setattr(_one_step, "plan", lambda *args: None)
+    sliced = jax.jit(run)(x, h, c, params)
+  up = lambda a: None if a is None else a.astype(jnp.float32)
+  f32 = cls(layers, units, inputs, direction=direction, dtype=jnp.float32)
+  reference = _reference.rnn(f32, *map(up, (x, h, c, params)))
+  for a, b, r in zip(got, sliced, reference):
+    if b is not None:
+      np.testing.assert_array_equal(up(a), up(b))
+      np.testing.assert_allclose(up(a), r, rtol=0, atol=0.03)
+  weights, _ = spec.params_to_canonical(params)
+  assert temp < min(w.size for w in weights) * spec.num_gates * 2, temp
+
+
+@pytest.mark.usefixtures("cpu_host")
 def test_one_sequence_rule():
   """Where one sequence's one-step call takes the matrix-vector products:
   at any size, but a lone layer of one direction whose input is narrower
@@ -286,6 +321,16 @@ def test_one_sequence_rule():
   assert _one_step.plan(jcr.CudnnGRU(1, 256, 256), 0, jax.ShapeDtypeStruct((1, 1, 256),
                                                                           jnp.float32),
                         looped=True) is None
+  # A bfloat16 model from `MIN_ELEMENTS` in a direction's matrices (a GRU
+  # I = H = 128 holds 96 Ki), on one sequence alone; not float16 nor float64.
+  bf16 = lambda cls, units, inputs: cls(1, units, inputs, dtype=jnp.bfloat16)
+  assert one(bf16(jcr.CudnnLSTM, 128, 128)).operands == jnp.bfloat16
+  assert one(bf16(jcr.CudnnGRU, 256, 128)).matvec  # no whole-buffer exception
+  assert one(bf16(jcr.CudnnGRU, 128, 128)) is None
+  assert one(bf16(jcr.CudnnLSTM, 128, 128), batch=2) is None
+  assert one(jcr.CudnnGRU(1, 256, 256)).operands is None
+  for dtype in (jnp.float16, jnp.float64):
+    assert one(jcr.CudnnGRU(1, 256, 256, dtype=dtype)) is None
 
 
 @pytest.mark.usefixtures("cpu_host")
