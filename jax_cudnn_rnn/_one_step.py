@@ -83,14 +83,14 @@ two-layer model's twice). Written as one `dot_general` contracting `m`'s
 rows, the same product, XLA copied the slice out first and gained nothing
 (a two-layer GRU I256 H256 call 391 -> 413 us).
 The products go through a barrier, else XLA fuses an LSTM's two into one
-kernel that needs the transposed matrix (a one-layer LSTM B1 I256 H256 call
-took 1370 us so, against 498). A batch of more than one gets no such fusion:
+kernel that needs the transposed matrix (a two-layer LSTM B1 I256 H256 call
+took 1370 us so, 498 with the whole buffer). A batch of more than one gets no such fusion:
 XLA copies the slice first. A single jitted call on the 2-core Zen 3, us, the
 whole buffer (or, in brackets where its bounds turn it down, the slices) ->
 the matrix-vector products (Flax's cells), one process a line, 400-600 calls
 in 20-30 interleaved rounds (benchmarks/NOTES.md, session 92):
-- more than one layer: GRU I256 H256 two layers 404 -> 309 (226), 409 -> 329
-  (238); LSTM the same 498 -> 389 (664), 508 -> 405 (830); LSTM I64 H128
+- more than one layer: GRU I256 H256 two layers 413 -> 323 (240), 409 -> 329
+  (238); LSTM the same 508 -> 405 (830), 514 -> 389 (805); LSTM I64 H128
   three layers (365) -> 129 (389); LSTM I512 H512 four layers 10130 -> 2581
   (25560); GRU H256 I128 two layers 594 -> 273; two bidirectional GRU layers
   I = H = 256 914 -> 571;
@@ -111,6 +111,12 @@ in 20-30 interleaved rounds (benchmarks/NOTES.md, session 92):
   (`_whole_buffer_for_one_sequence`: one layer of one direction, an input
   narrower than the state, at most `ONE_SEQUENCE_WHOLE_MAX_ELEMENTS` in the
   buffer; GRU H384 I128, 590 Ki elements, gained).
+On one core (`taskset`) the float32 products gained there too (GRU H256
+I128 156 -> 132; I = H = 256 220 -> 148; two layers 537 -> 218): XLA:CPU
+splits each fused kernel of more than 512 KiB (by its cost model, which
+counts the whole buffer for some) over both threads, and on two cores the
+second thread's hand-offs cost the difference; the kernels cannot be kept
+whole from here (row blocks of 128 or 256 were split too, and slower).
 A bfloat16 model's one sequence takes them too (its input and state
 rounded to bfloat16 where they meet a weight matrix, the products
 accumulated in float32: the values of its sliced products, bit for bit),
@@ -123,23 +129,6 @@ Smaller ones lost: LSTM H128 I96 120 -> 188, I64 108 -> 172 and 146 -> 222;
 GRU H128 I64 121 -> 198; LSTM H64 I128 113 -> 190 (though the GRU I = H =
 128 gained, 131 -> 104, and two layers of it 300 -> 111). float16 and
 float64 models were not measured, and keep the slices.
-On one core (`taskset`) the float32 products gained there too (GRU H256 I128 156 ->
-132; I = H = 256 220 -> 148; two layers 537 -> 218): XLA:CPU splits each
-fused kernel of more than 512 KiB (by its cost model, which counts the whole
-buffer for some) over both threads, and on two cores the second thread's
-hand-offs cost the difference; the kernels cannot be kept whole from here
-(row blocks of 128 or 256 were split too, and slower).
-
-Nor where JAX has several devices (as `_lanes` does not run there). The
-pieces stack along the batch axis (`[x; h]`), and each matrix's product is
-then a range of the result's columns `B` wide: with the batch split over
-devices, those ranges cut across the devices' parts, and XLA moved the rows
-between them on every call (an `all-to-all` and a `collective-permute` in
-the compiled program, four CPU devices, a GRU I256 H256 B8, the batch split
-either way: benchmarks/NOTES.md, session 90). Stacked along an axis of their
-own (`[n, B, width]`, the batch kept whole) they need no moves, but on one
-device that program ran 1-5% slower at 17 of 24 shape-runs (one process
-each); the slices need none either.
 """
 
 from __future__ import annotations

@@ -48,6 +48,21 @@ def _numpy(spec, weights, biases, x, h, c, lengths=None):
                    [up(b) for b in biases], up(x), up(h), up(c), seq_lengths=lengths)
 
 
+def _matches_numpy(spec, weights, biases, params, x, h, c, lengths, products):
+  """A jitted one-step call, without and with `lengths`: `products(run)` holds
+  of its function, and its values (outputs, final states) equal numpy's RNN
+  in float64, to float32 rounding."""
+  for seq_lengths in (None, lengths):
+    run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla",
+                                  seq_lengths=seq_lengths)
+    assert products(run)
+    got = jax.jit(run)(x, h, c, params)
+    want = _numpy(spec, weights, biases, x, h, c, seq_lengths)
+    for a, b in zip(got, want):
+      if b is not None:
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-6)
+
+
 def _small_pieces(monkeypatch):
   """The rule for small models: pieces from 4 elements, any matrices, any
   extra products."""
@@ -80,15 +95,8 @@ def test_whole_buffer_values_match_numpy(cls, layers, units, inputs, direction, 
   weights, biases = random_canonical(spec, seed=2)
   params = spec.canonical_to_params(weights, biases)
   x, h, c = random_inputs(spec, 1, 5)
-  for lengths in (None, np.array([1, 0, 1, 1, 0], np.int32)):
-    run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla",
-                                  seq_lengths=lengths)
-    assert _only_whole_buffer_products(spec, run, x, h, c, params)
-    got = jax.jit(run)(x, h, c, params)
-    want = _numpy(spec, weights, biases, x, h, c, lengths)
-    for a, b in zip(got, want):
-      if b is not None:
-        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-6)
+  _matches_numpy(spec, weights, biases, params, x, h, c, np.array([1, 0, 1, 1, 0], np.int32),
+                 lambda run: _only_whole_buffer_products(spec, run, x, h, c, params))
 
 
 @pytest.mark.usefixtures("cpu_host")
@@ -110,21 +118,28 @@ def test_whole_buffer_at_its_own_sizes(cls):
 
 
 @pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("batch", [3, 1])
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
-def test_whole_buffer_derivatives_match_reference(cls, monkeypatch):
-  """The derivatives of a call that takes the whole buffer: gradients with
-  respect to every operand, the buffer's included (its tangent reaches the
-  output through the slices the derivative reads, `_xla._layer`), a JVP,
-  and values under `vmap` over an ensemble of buffers, against the
-  reference; two bidirectional layers, with lengths."""
+def test_whole_buffer_derivatives_match_reference(cls, batch, monkeypatch):
+  """The derivatives of a call that takes the whole buffer (or, on one
+  sequence, the matrices in place): gradients with respect to every
+  operand, the buffer's included (its tangent reaches the output through
+  the slices the derivative reads, `_xla._layer`), a JVP, and values under
+  `vmap` over an ensemble of buffers, against the reference; two
+  bidirectional layers, with lengths."""
   _small_pieces(monkeypatch)
   spec = cls(2, 8, 8, direction="bidirectional", dtype=jnp.float32)
-  x, h, c = random_inputs(spec, 1, 3)
+  x, h, c = random_inputs(spec, 1, batch)
   params = spec.init_params(jax.random.key(5))
-  lengths = jnp.array([1, 0, 1], jnp.int32)
+  lengths = jnp.array([1, 0, 1][:batch], jnp.int32)
   fast, slow = (every_output_loss(_xla.rnn, spec, lengths),
                 every_output_loss(_reference.rnn, spec, lengths))
-  assert _only_whole_buffer_products(spec, lambda *a: _xla.rnn(spec, *a), x, h, c, params)
+  products = lambda *a: _xla.rnn(spec, *a)
+  if batch == 1:
+    assert _whole_buffer_products(products, x, h, c, params) == []
+    assert _one_step.plan(spec, 1, jax.ShapeDtypeStruct((1, 1, 16), jnp.float32), False).matvec
+  else:
+    assert _only_whole_buffer_products(spec, products, x, h, c, params)
   argnums = (0, 1, 3) if c is None else (0, 1, 2, 3)
   tol = dict(rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.jit(jax.grad(fast, argnums))(x, h, c, params),
@@ -226,15 +241,8 @@ def test_one_sequence_multiplies_matrices_in_place(cls, layers, units, inputs, d
   cpu = jax.devices("cpu")[0]
   params = jax.device_put(spec.canonical_to_params(weights, biases), cpu)
   x, h, c = jax.device_put(random_inputs(spec, 1, 1), cpu)
-  for lengths in (None, np.array([0], np.int32)):
-    run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla",
-                                  seq_lengths=lengths)
-    assert _whole_buffer_products(run, x, h, c, params) == []
-    got = jax.jit(run)(x, h, c, params)
-    want = _numpy(spec, weights, biases, x, h, c, lengths)
-    for a, b in zip(got, want):
-      if b is not None:
-        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-6)
+  _matches_numpy(spec, weights, biases, params, x, h, c, np.array([0], np.int32),
+                 lambda run: _whole_buffer_products(run, x, h, c, params) == [])
 
 
 @pytest.mark.usefixtures("cpu_host")
