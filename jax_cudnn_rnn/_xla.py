@@ -121,7 +121,7 @@ rows as wide as its input and as its states (`_one_step`'s rule; GRU B8 I256
 H256 570 -> 278 us a call, Flax's cell 239; LSTM 796 -> 319, Flax's 880;
 session 75); on one sequence, at any size (but for a lone layer with a
 narrow input over a small buffer), it multiplies each matrix where it lies
-in the buffer, fused with its slice (GRU B1 I256 H256 two layers 371-404 ->
+in the buffer, fused with its slice (GRU B1 I256 H256 two layers 371-413 ->
 285-329 us; session 92).
 A step-by-step forward alone of an LSTM or a plain RNN, one direction, stacks
 its two transposed matrices instead and multiplies `[x_t, h]` by them, one
