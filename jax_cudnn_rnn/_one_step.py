@@ -84,11 +84,12 @@ rows, the same product, XLA copied the slice out first and gained nothing
 (a two-layer GRU I256 H256 call 391 -> 413 us).
 The products go through a barrier, else XLA fuses an LSTM's two into one
 kernel that needs the transposed matrix (a two-layer LSTM B1 I256 H256 call
-took 1370 us so, 498 with the whole buffer). A batch of more than one gets no such fusion:
-XLA copies the slice first. A single jitted call on the 2-core Zen 3, us, the
-whole buffer (or, in brackets where its bounds turn it down, the slices) ->
-the matrix-vector products (Flax's cells), one process a line, 400-600 calls
-in 20-30 interleaved rounds (benchmarks/NOTES.md, session 92):
+took 1370 us so, 498 with the whole buffer). A batch of more than one gets
+no such fusion: XLA copies the slice first. A single jitted call on the
+2-core Zen 3, us, the whole buffer (or, in brackets where its bounds turn it
+down, the slices) -> the matrix-vector products (Flax's cells), one process
+a line, 400-600 calls in 20-30 interleaved rounds (benchmarks/NOTES.md,
+session 92):
 - more than one layer: GRU I256 H256 two layers 413 -> 323 (240), 409 -> 329
   (238); LSTM the same 508 -> 405 (830), 514 -> 389 (805); LSTM I64 H128
   three layers (365) -> 129 (389); LSTM I512 H512 four layers 10130 -> 2581
@@ -314,6 +315,10 @@ def _matvec_products(g: int, plan: Plan, x, h0, buffer):
   H = plan.hidden
 
   def product(offset, columns, v):
+    # The vector alone is rounded: the weights hold bfloat16 values already.
+    # `_rounded_dot.matmul`, which rounds both operands in the kernel, kept
+    # the fusion but lost most of the gain (LSTM I = H = 128 191 against 105
+    # us, two layers I = H = 256 524 against 365; the slices 196 and 634).
     if plan.operands is not None:
       v = v.astype(plan.operands).astype(v.dtype)
     # `v @ m.T`, the form XLA:CPU fuses with the slice (the module docstring).
