@@ -108,16 +108,34 @@ session 92):
 - but a lone layer over a small buffer whose input is narrower than its
   state lost: GRU H256 I128 164 -> 194, 165 -> 210, 128 -> 158, 154 -> 200,
   144 -> 193 (Flax's 120-159); LSTM the same 177 -> 233, 178 -> 238, 175 ->
-  235, 160 -> 212; LSTM H192 I128 133 -> 178. Those keep the whole buffer
-  (`_whole_buffer_for_one_sequence`: one layer of one direction, an input
-  narrower than the state, at most `ONE_SEQUENCE_WHOLE_MAX_ELEMENTS` in the
-  buffer; GRU H384 I128, 590 Ki elements, gained).
+  235, 160 -> 212; LSTM H192 I128 133 -> 178. Those kept the whole buffer
+  until the products were cut in blocks (below).
 On one core (`taskset`) the float32 products gained there too (GRU H256
-I128 156 -> 132; I = H = 256 220 -> 148; two layers 537 -> 218): XLA:CPU
-splits each fused kernel of more than 512 KiB (by its cost model, which
-counts the whole buffer for some) over both threads, and on two cores the
-second thread's hand-offs cost the difference; the kernels cannot be kept
-whole from here (row blocks of 128 or 256 were split too, and slower).
+I128 156 -> 132; I = H = 256 220 -> 148; two layers 537 -> 218): XLA:CPU's
+`ParallelTaskAssigner` splits a loop kernel that its cost model deems bound
+by memory over two threads from 512 KiB of bytes accessed (256 KiB a
+thread), and on two cores the second thread's hand-offs cost more than they
+gain. So each product is cut into blocks of rows that access less than
+`MATVEC_MAX_BYTES` each (`_row_blocks`; a float32 `[768, 256]` matrix in
+two), which XLA keeps whole (the compiled program has no
+`outer_dimension_partitions`) and which, independent, may run side by side.
+One jitted call per token (decode.py's step pattern: the call and a
+projection of its output), us, one process a line, 400 calls in 20
+interleaved rounds, the products whole -> in blocks (Flax's cells;
+benchmarks/NOTES.md, session 93):
+- GRU I = H = 256 two layers 224 -> 148 (159), 237 -> 152 (172); one layer
+  151 -> 90 (97); bidirectional (the call alone) 229 -> 152; GRU H256 I128
+  two layers 205 -> 132 (139); GRU I = H = 512 two layers 681 -> 497 (690),
+  one layer 302 -> 304 (260); GRU H512 I256 343 -> 278 (232);
+- LSTM I = H = 256 two layers 299 -> 209 (456), 339 -> 222 (538); one layer
+  223 -> 144 (339), 232 -> 148 (393); I = H = 512 367 -> 347 (992), four
+  layers 2246 -> 2182 (23921); I = H = 1024 2261 -> 1970 (25426);
+- the lone layers that had kept the whole buffer, whole buffer -> blocks:
+  GRU H256 I128 140 -> 109 (123), 113 -> 87 (95); GRU H256 I192 129 -> 105
+  (112); GRU H192 I128 83 -> 72 (81); LSTM H256 I128 214 -> 162 (369); LSTM
+  H256 I192 172 -> 145 (315); LSTM H192 I128 128 -> 108 (250);
+- no block to cut (every matrix under the bound), the same program: LSTM
+  I64 H128 65 -> 65, three layers 117 -> 116; GRU I64 H128 79 -> 79.
 A bfloat16 model's one sequence takes them too (its input and state
 rounded to bfloat16 where they meet a weight matrix, the products
 accumulated in float32: the values of its sliced products, bit for bit),
@@ -146,7 +164,7 @@ from jax_cudnn_rnn import _cpu, _layout, _reference, _spec
 MIN_PIECE = 128
 MIN_ELEMENTS = 128 * 1024
 MAX_EXTRA_PRODUCTS = {"lstm": 24, "gru": 32, "rnn_tanh": 32, "rnn_relu": 32}
-ONE_SEQUENCE_WHOLE_MAX_ELEMENTS = 1 << 19
+MATVEC_MAX_BYTES = 512 * 1024
 
 
 class Plan(NamedTuple):
@@ -178,9 +196,8 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   closes over its weights (`looped`), one step (`x [T, B, in]`, time-major,
   in the computation dtype, float32), on a CPU that is JAX's only device
   (`_cpu.sole_device`; the module docstring); then, for one sequence, the
-  matrix-vector products (`matvec`) but where
-  `_whole_buffer_for_one_sequence`, else the whole buffer's products, where
-  its views are at least `MIN_PIECE` wide (`_input_piece`), a direction's
+  matrix-vector products (`matvec`), else the whole buffer's products,
+  where its views are at least `MIN_PIECE` wide (`_input_piece`), a direction's
   matrices of the layer hold at least `MIN_ELEMENTS` (`matrix_elements`),
   and they make at most `MAX_EXTRA_PRODUCTS` multiplications more than the
   layer's own products need for each weight they no longer copy
@@ -202,7 +219,7 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   if model == np.float32:
     whole = (min(H, x_piece or H) >= MIN_PIECE and large
              and extra_products(spec, layer, batch) <= MAX_EXTRA_PRODUCTS[spec.rnn_mode])
-    matvec = batch == 1 and not (whole and _whole_buffer_for_one_sequence(spec))
+    matvec = batch == 1
   else:
     whole, matvec = False, batch == 1 and large
   if not (whole or matvec):
@@ -218,15 +235,6 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
               x_piece, H, tuple(first[d, 0] // x_piece if has_w else None for d in dirs),
               tuple(first[d, 1] // H for d in dirs), matvec,
               None if model == np.float32 else model)
-
-
-def _whole_buffer_for_one_sequence(spec) -> bool:
-  """Whether one sequence's call keeps the whole buffer's products (where
-  those bounds take it) rather than the matrix-vector products: one layer of
-  one direction whose input is narrower than its state, at most
-  `ONE_SEQUENCE_WHOLE_MAX_ELEMENTS` in the buffer (the module docstring)."""
-  return (spec.num_layers == 1 and spec.num_dirs == 1 and spec.input_size < spec.num_units
-          and _layout.params_size(spec) <= ONE_SEQUENCE_WHOLE_MAX_ELEMENTS)
 
 
 def _input_piece(spec, layer: int) -> int:
@@ -309,9 +317,10 @@ def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
 def _matvec_products(g: int, plan: Plan, x, h0, buffer):
   """`(input_product, state_product)`: direction `d`'s `[1, g*H]` products
   of one sequence's input `x [1, in]` and state `h0[d]` with the matrices
-  sliced where they lie in `buffer`, each fused with its slice (the module
-  docstring); the vectors rounded to `plan.operands` where it is set (the
-  buffer's values already are: a bfloat16 model's weights)."""
+  sliced where they lie in `buffer`, each fused with its slice, in blocks
+  of rows (`_row_blocks`; the module docstring); the vectors rounded to
+  `plan.operands` where it is set (the buffer's values already are: a
+  bfloat16 model's weights)."""
   H = plan.hidden
 
   def product(offset, columns, v):
@@ -321,12 +330,28 @@ def _matvec_products(g: int, plan: Plan, x, h0, buffer):
     # us, two layers I = H = 256 524 against 365; the slices 196 and 634).
     if plan.operands is not None:
       v = v.astype(plan.operands).astype(v.dtype)
-    # `v @ m.T`, the form XLA:CPU fuses with the slice (the module docstring).
-    m = jax.lax.slice(buffer, (offset,), (offset + g * H * columns,)).reshape(g * H, columns)
-    return jax.lax.optimization_barrier(v @ m.T)
+    # `v @ m.T`, the form XLA:CPU fuses with the slice (the module docstring),
+    # a block of rows at a time.
+    blocks, start = [], offset
+    for rows in _row_blocks(g * H, columns, buffer.dtype.itemsize):
+      m = jax.lax.slice(buffer, (start,), (start + rows * columns,)).reshape(rows, columns)
+      blocks.append(jax.lax.optimization_barrier(v @ m.T))
+      start += rows * columns
+    return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, -1)
 
   return (lambda d: product(plan.w_rows[d] * plan.x_piece, plan.inputs, x),
           lambda d: product(plan.r_rows[d] * H, H, h0[d]))
+
+
+def _row_blocks(rows: int, columns: int, itemsize: int) -> list[int]:
+  """The row counts, as even as can be, of the fewest blocks into which a
+  `[rows, columns]` matrix of `itemsize`-byte elements is cut so that each
+  block's product with a float32 vector accesses less than `MATVEC_MAX_BYTES`
+  (the block, the vector and the block's float32 result): below that XLA:CPU
+  runs the fused kernel on one thread (the module docstring)."""
+  most = max(1, (MATVEC_MAX_BYTES - 1 - 4 * columns) // (columns * itemsize + 4))
+  count = -(-rows // most)
+  return [rows // count + (i < rows % count) for i in range(count)]
 
 
 def _view_products(g: int, plan: Plan, x, h0, buffer):

@@ -2,6 +2,8 @@
 its values against numpy's RNN, its derivatives against the reference, and
 its rule's bounds."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -301,21 +303,72 @@ def test_one_sequence_in_bfloat16(cls, layers, units, inputs, direction, monkeyp
   assert temp < min(w.size for w in weights) * spec.num_gates * 2, temp
 
 
+def test_row_blocks():
+  """The blocks one matrix-vector product is cut into: the fewest, as even
+  as can be, each under `MATVEC_MAX_BYTES` with its vector and result (all
+  float32 but the block, of the model's dtype)."""
+  assert _one_step.MATVEC_MAX_BYTES == 512 * 1024
+  # A float32 [768, 256] (a GRU's 256 units over 256 inputs): 768 KiB in two.
+  assert _one_step._row_blocks(768, 256, 4) == [384, 384]
+  # [512, 128]: 256 KiB, whole; [509, 256] float32 with its vector and
+  # result, 12 bytes under 512 KiB, whole; one row more, two.
+  assert _one_step._row_blocks(512, 128, 4) == [512]
+  assert _one_step._row_blocks(509, 256, 4) == [509]
+  assert _one_step._row_blocks(510, 256, 4) == [255, 255]
+  # bfloat16 [1024, 256]: 512 KiB alone, in two; [1536, 512] float32: 3 MiB
+  # in seven of 219 or 220 rows.
+  assert _one_step._row_blocks(1024, 256, 2) == [512, 512]
+  assert _one_step._row_blocks(1536, 512, 4) == [220] * 3 + [219] * 4
+  for rows, columns, itemsize in [(4096, 1024, 4), (3, 200_000, 4), (96, 8, 2), (1, 1, 8)]:
+    blocks = _one_step._row_blocks(rows, columns, itemsize)
+    assert sum(blocks) == rows and max(blocks) - min(blocks) <= 1
+    fits = lambda r: r * columns * itemsize + 4 * (columns + r) < _one_step.MATVEC_MAX_BYTES
+    assert all(fits(r) for r in blocks) or blocks == [1] * rows
+    assert len(blocks) == 1 or not fits(-(-rows // (len(blocks) - 1)))
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("cls", [jcr.CudnnLSTM, jcr.CudnnGRU])
+def test_one_sequence_keeps_each_kernel_on_one_thread(cls, monkeypatch):
+  """One sequence's matrix-vector products compiled for the CPU: XLA:CPU
+  splits none of the kernels over threads (no `outer_dimension_partitions`
+  in the program) and their values are those of the products whole; with
+  the bound lifted, a host of more than one core splits the 768 KiB or 1 MiB
+  matrices' kernels (this test fails so)."""
+  spec = cls(2, 256, 256, dtype=jnp.float32)
+  cpu = jax.devices("cpu")[0]
+  params = jax.device_put(spec.init_params(jax.random.key(6)), cpu)
+  x, h, c = jax.device_put(random_inputs(spec, 1, 1, seed=7), cpu)
+
+  def compiled():
+    # Traced afresh each time (a new function), under the bound as it is then.
+    run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla")
+    return jax.jit(run).lower(x, h, c, params).compile()
+
+  blocked = compiled()
+  assert "outer_dimension_partitions" not in blocked.as_text()
+  monkeypatch.setattr(_one_step, "MATVEC_MAX_BYTES", 1 << 40)
+  whole = compiled()
+  for a, b in zip(blocked(x, h, c, params), whole(x, h, c, params)):
+    if b is not None:
+      np.testing.assert_array_equal(a, b)
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  if cores > 1:
+    assert "outer_dimension_partitions" in whole.as_text()
+
+
 @pytest.mark.usefixtures("cpu_host")
 def test_one_sequence_rule():
   """Where one sequence's one-step call takes the matrix-vector products:
-  at any size, but a lone layer of one direction whose input is narrower
-  than its state, with at most `ONE_SEQUENCE_WHOLE_MAX_ELEMENTS` in the
-  buffer, keeps the whole buffer's products (and where those bounds do not
-  take it, the matrix-vector products); more sequences do not."""
+  at any size, a lone layer whose input is narrower than its state too (it
+  kept the whole buffer's products before they were cut in blocks); more
+  sequences do not."""
   one = lambda spec, batch=1, layer=0: _one_step.plan(
       spec, layer, jax.ShapeDtypeStruct((1, batch, spec.layer_input_size(layer)), jnp.float32),
       looped=False)
   assert one(jcr.CudnnGRU(1, 256, 128)) == _one_step.Plan(
-      jcr.CudnnGRU(1, 256, 128).params_size(), 128, 128, 256, (0,), (384,), matvec=False)
-  assert jcr.CudnnLSTM(1, 256, 128).params_size() <= _one_step.ONE_SEQUENCE_WHOLE_MAX_ELEMENTS
-  assert not one(jcr.CudnnLSTM(1, 256, 128)).matvec
-  assert jcr.CudnnGRU(1, 384, 128).params_size() > _one_step.ONE_SEQUENCE_WHOLE_MAX_ELEMENTS
+      jcr.CudnnGRU(1, 256, 128).params_size(), 128, 128, 256, (0,), (384,), matvec=True)
+  assert one(jcr.CudnnLSTM(1, 256, 128)).matvec
   assert one(jcr.CudnnGRU(1, 384, 128)).matvec
   assert one(jcr.CudnnGRU(2, 256, 128)).matvec
   assert one(jcr.CudnnGRU(2, 256, 128), layer=1).matvec
