@@ -1,5 +1,6 @@
 """A single one-step call that multiplies the opaque buffer where it lies:
-the whole buffer at once, or one sequence's matrices in place.
+the whole buffer at once, or, for one sequence or a few, each matrix in
+place.
 
 DESIGN §4 has no module for this: it is one rule of the "xla" path's forward
 (`_xla._layer`), kept here beside its measurements, as `_lanes` and `_chunks`
@@ -136,6 +137,26 @@ benchmarks/NOTES.md, session 93):
   H256 I192 172 -> 145 (315); LSTM H192 I128 128 -> 108 (250);
 - no block to cut (every matrix under the bound), the same program: LSTM
   I64 H128 65 -> 65, three layers 117 -> 116; GRU I64 H128 79 -> 79.
+A few sequences (up to `MATVEC_MAX_BATCH`) take the matrix-vector
+products too, a sequence at a time (each re-reading the matrices), where a
+direction's matrices of the layer hold at most `MATVEC_BATCH_MAX_ELEMENTS`
+(a GRU I = H = 256): the same step pattern, us, as before (the whole buffer
+or the slices) -> a product a sequence (Flax's cells), one process a line:
+GRU I = H = 256 B2 225 -> 188 (183), 211 -> 179 (175), B3 200 -> 198 (173);
+two layers B2 330 -> 251 (235), B3 453 -> 277 (285); GRU H256 I128 B2 209
+-> 127 (126), B3 281 -> 192 (183); LSTM H256 I128 B3 298 -> 248 (425); LSTM
+I64 H128 B2 177 -> 104 (194), B3 164 -> 106 (167); GRU I64 H128 B2 137 ->
+105 (128), B3 116 -> 100 (109). Through the library, the rule against
+one sequence's alone: GRU I = H = 256 B2 174 -> 160 (158), two layers B3
+618 -> 363 (380); GRU H256 I128 B2 320 -> 170 (178); LSTM H256 I128 B3 357
+-> 318 (645); LSTM I64 H128 B2 187 -> 116 (211); GRU I64 H128 B3 119 -> 96
+(113). Larger matrices lost: LSTM I = H = 256 B2 234 -> 262 (though two
+layers of it gained, 328 -> 239), GRU I = H = 384 B2 276 -> 364, GRU I = H =
+512 B2 377 -> 402, LSTM I = H = 384 B2 357 -> 380, LSTM I = H = 512 B2 460
+-> 509; so did more sequences: GRU I = H = 256 B4 210 -> 254, B8 228 -> 303;
+GRU H256 I128 B4 250 -> 254; GRU I64 H128 B8 97 -> 149 (though GRU I64
+H128 B4 142 -> 131, LSTM I64 H128 B4 183 -> 128 and LSTM two layers I = H =
+256 B4 513 -> 411 gained).
 A bfloat16 model's one sequence takes them too (its input and state
 rounded to bfloat16 where they meet a weight matrix, the products
 accumulated in float32: the values of its sliced products, bit for bit),
@@ -165,6 +186,8 @@ MIN_PIECE = 128
 MIN_ELEMENTS = 128 * 1024
 MAX_EXTRA_PRODUCTS = {"lstm": 24, "gru": 32, "rnn_tanh": 32, "rnn_relu": 32}
 MATVEC_MAX_BYTES = 512 * 1024
+MATVEC_MAX_BATCH = 3
+MATVEC_BATCH_MAX_ELEMENTS = 384 * 1024
 
 
 class Plan(NamedTuple):
@@ -176,8 +199,8 @@ class Plan(NamedTuple):
   `inputs`, `x_piece`: the layer's input size and its pieces' (None under
   skip_input: no input matrix); `w_rows[d]`, `r_rows[d]`: the first row of
   direction `d`'s input matrix in the input's view (None under skip_input)
-  and of its recurrent matrix in the state's. `matvec`: one sequence, whose
-  products take each matrix where it lies instead (the module docstring),
+  and of its recurrent matrix in the state's. `matvec`: one sequence or a
+  few, whose products take each matrix where it lies instead (the module docstring),
   at the offset its rows give; `operands`: bfloat16 where those products
   round their vectors so (a bfloat16 model's), else None."""
   size: int
@@ -195,8 +218,10 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   it multiplies sliced matrices (`_xla._forward`): a call not in a loop that
   closes over its weights (`looped`), one step (`x [T, B, in]`, time-major,
   in the computation dtype, float32), on a CPU that is JAX's only device
-  (`_cpu.sole_device`; the module docstring); then, for one sequence, the
-  matrix-vector products (`matvec`), else the whole buffer's products,
+  (`_cpu.sole_device`; the module docstring); then, for one sequence, or up
+  to `MATVEC_MAX_BATCH` where a direction's matrices of the layer hold at
+  most `MATVEC_BATCH_MAX_ELEMENTS`, the matrix-vector products (`matvec`),
+  else the whole buffer's products,
   where its views are at least `MIN_PIECE` wide (`_input_piece`), a direction's
   matrices of the layer hold at least `MIN_ELEMENTS` (`matrix_elements`),
   and they make at most `MAX_EXTRA_PRODUCTS` multiplications more than the
@@ -219,7 +244,8 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   if model == np.float32:
     whole = (min(H, x_piece or H) >= MIN_PIECE and large
              and extra_products(spec, layer, batch) <= MAX_EXTRA_PRODUCTS[spec.rnn_mode])
-    matvec = batch == 1
+    matvec = batch == 1 or (batch <= MATVEC_MAX_BATCH
+                            and matrix_elements(spec, layer) <= MATVEC_BATCH_MAX_ELEMENTS)
   else:
     whole, matvec = False, batch == 1 and large
   if not (whole or matvec):
@@ -315,15 +341,17 @@ def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
 
 
 def _matvec_products(g: int, plan: Plan, x, h0, buffer):
-  """`(input_product, state_product)`: direction `d`'s `[1, g*H]` products
-  of one sequence's input `x [1, in]` and state `h0[d]` with the matrices
-  sliced where they lie in `buffer`, each fused with its slice, in blocks
-  of rows (`_row_blocks`; the module docstring); the vectors rounded to
+  """`(input_product, state_product)`: direction `d`'s `[B, g*H]` products
+  of the input `x [B, in]` and state `h0[d]` with the matrices sliced where
+  they lie in `buffer`, a sequence at a time, each fused with its slice, in
+  blocks of rows (`_row_blocks`; the module docstring); the vectors rounded to
   `plan.operands` where it is set (the buffer's values already are: a
   bfloat16 model's weights)."""
   H = plan.hidden
 
   def product(offset, columns, v):
+    if v.shape[0] > 1:
+      return jnp.concatenate([product(offset, columns, v[b:b + 1]) for b in range(v.shape[0])])
     # The vector alone is rounded: the weights hold bfloat16 values already.
     # `_rounded_dot.matmul`, which rounds both operands in the kernel, kept
     # the fusion but lost most of the gain (LSTM I = H = 128 191 against 105

@@ -119,10 +119,11 @@ And a float32 one-step call outside such a loop, over large enough matrices
 and a small batch, slices nothing: it multiplies the whole buffer, viewed as
 rows as wide as its input and as its states (`_one_step`'s rule; GRU B8 I256
 H256 570 -> 278 us a call, Flax's cell 239; LSTM 796 -> 319, Flax's 880;
-session 75); on one sequence, at any size (but for a lone layer with a
-narrow input over a small buffer), it multiplies each matrix where it lies
-in the buffer, fused with its slice (GRU B1 I256 H256 two layers 371-413 ->
-285-329 us; session 92).
+session 75); on one sequence, at any size, and on up to three over small
+enough matrices, it multiplies each matrix where it lies in the buffer,
+fused with its slice, in blocks of rows that XLA:CPU runs each on one thread
+(GRU B1 I256 H256 two layers 371-413 -> 285-329 us, session 92, and in
+blocks 224 -> 148, Flax's cells 159; B3 618 -> 363; session 93).
 A step-by-step forward alone of an LSTM or a plain RNN, one direction, stacks
 its two transposed matrices instead and multiplies `[x_t, h]` by them, one
 product a step, the transposes one pass (`_stacks_weights`; LSTM B8 T32 I64

@@ -106,9 +106,9 @@ def test_whole_buffer_values_match_numpy(cls, layers, units, inputs, direction, 
 def test_whole_buffer_at_its_own_sizes(cls):
   """The rule as it is, no bound patched: a one-layer model of I = H = 256 on
   8 sequences, and a bidirectional two-layer one of I = 512 (two pieces of the
-  input, four of layer 1's) on 2, against numpy."""
+  input, four of layer 1's) on 4, against numpy."""
   for spec, batch in ((cls(1, 256, 256, dtype=jnp.float32), 8),
-                      (cls(2, 256, 512, direction="bidirectional", dtype=jnp.float32), 2)):
+                      (cls(2, 256, 512, direction="bidirectional", dtype=jnp.float32), 4)):
     weights, biases = random_canonical(spec, seed=4, scale=0.1)
     params = spec.canonical_to_params(weights, biases)
     x, h, c = random_inputs(spec, 1, batch)
@@ -120,11 +120,11 @@ def test_whole_buffer_at_its_own_sizes(cls):
 
 
 @pytest.mark.usefixtures("cpu_host")
-@pytest.mark.parametrize("batch", [3, 1])
+@pytest.mark.parametrize("batch", [5, 3, 1])
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_whole_buffer_derivatives_match_reference(cls, batch, monkeypatch):
-  """The derivatives of a call that takes the whole buffer (or, on one
-  sequence, the matrices in place): gradients with respect to every
+  """The derivatives of a call that takes the whole buffer (or, on up to
+  `MATVEC_MAX_BATCH` sequences, the matrices in place): gradients with respect to every
   operand, the buffer's included (its tangent reaches the output through
   the slices the derivative reads, `_xla._layer`), a JVP, and values under
   `vmap` over an ensemble of buffers, against the reference; two
@@ -133,13 +133,14 @@ def test_whole_buffer_derivatives_match_reference(cls, batch, monkeypatch):
   spec = cls(2, 8, 8, direction="bidirectional", dtype=jnp.float32)
   x, h, c = random_inputs(spec, 1, batch)
   params = spec.init_params(jax.random.key(5))
-  lengths = jnp.array([1, 0, 1][:batch], jnp.int32)
+  lengths = jnp.array([1, 0, 1, 1, 0][:batch], jnp.int32)
   fast, slow = (every_output_loss(_xla.rnn, spec, lengths),
                 every_output_loss(_reference.rnn, spec, lengths))
   products = lambda *a: _xla.rnn(spec, *a)
-  if batch == 1:
+  if batch <= _one_step.MATVEC_MAX_BATCH:
     assert _whole_buffer_products(products, x, h, c, params) == []
-    assert _one_step.plan(spec, 1, jax.ShapeDtypeStruct((1, 1, 16), jnp.float32), False).matvec
+    assert _one_step.plan(spec, 1, jax.ShapeDtypeStruct((1, batch, 16), jnp.float32),
+                          False).matvec
   else:
     assert _only_whole_buffer_products(spec, products, x, h, c, params)
   argnums = (0, 1, 3) if c is None else (0, 1, 2, 3)
@@ -244,6 +245,29 @@ def test_one_sequence_multiplies_matrices_in_place(cls, layers, units, inputs, d
   params = jax.device_put(spec.canonical_to_params(weights, biases), cpu)
   x, h, c = jax.device_put(random_inputs(spec, 1, 1), cpu)
   _matches_numpy(spec, weights, biases, params, x, h, c, np.array([0], np.int32),
+                 lambda run: _whole_buffer_products(run, x, h, c, params) == [])
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("batch", [2, 3])
+@pytest.mark.parametrize("layers,units,inputs,direction,input_mode",
+                         SMALL[:2] + [(1, 256, 128, "unidirectional", "linear_input")])
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_a_few_sequences_multiply_matrices_in_place(cls, layers, units, inputs, direction,
+                                                    input_mode, batch):
+  """Up to `MATVEC_MAX_BATCH` sequences over small enough matrices, no bound
+  patched: each sequence's products take the matrices in place, no product
+  of the whole buffer, and values equal to numpy's RNN in float64, with and
+  without lengths (an empty sequence keeps its states)."""
+  spec = cls(layers, units, inputs, direction=direction, input_mode=input_mode,
+             dtype=jnp.float32)
+  assert all(_one_step.plan(spec, layer, jax.ShapeDtypeStruct((1, batch, spec.layer_input_size(
+      layer)), jnp.float32), looped=False).matvec for layer in range(layers))
+  weights, biases = random_canonical(spec, seed=8, scale=0.1 if units > 64 else 0.5)
+  cpu = jax.devices("cpu")[0]
+  params = jax.device_put(spec.canonical_to_params(weights, biases), cpu)
+  x, h, c = jax.device_put(random_inputs(spec, 1, batch, seed=9), cpu)
+  _matches_numpy(spec, weights, biases, params, x, h, c, np.array([1, 0, 1][:batch], np.int32),
                  lambda run: _whole_buffer_products(run, x, h, c, params) == [])
 
 
@@ -359,10 +383,11 @@ def test_one_sequence_keeps_each_kernel_on_one_thread(cls, monkeypatch):
 
 @pytest.mark.usefixtures("cpu_host")
 def test_one_sequence_rule():
-  """Where one sequence's one-step call takes the matrix-vector products:
-  at any size, a lone layer whose input is narrower than its state too (it
-  kept the whole buffer's products before they were cut in blocks); more
-  sequences do not."""
+  """Where a one-step call takes the matrix-vector products: one sequence at
+  any size, a lone layer whose input is narrower than its state too (it
+  kept the whole buffer's products before they were cut in blocks); up to
+  `MATVEC_MAX_BATCH` sequences where a direction's matrices of the layer
+  hold at most `MATVEC_BATCH_MAX_ELEMENTS`; more sequences do not."""
   one = lambda spec, batch=1, layer=0: _one_step.plan(
       spec, layer, jax.ShapeDtypeStruct((1, batch, spec.layer_input_size(layer)), jnp.float32),
       looped=False)
@@ -377,8 +402,18 @@ def test_one_sequence_rule():
   assert one(jcr.CudnnGRU(1, 256, 256)).matvec
   # Below the whole buffer's bounds: pieces of 64.
   assert one(jcr.CudnnLSTM(1, 256, 64)).matvec
-  assert one(jcr.CudnnLSTM(1, 256, 64), batch=2) is None
-  assert one(jcr.CudnnGRU(1, 256, 256), batch=2).matvec is False
+  # A few sequences over small enough matrices: a GRU I = H = 256 holds 384 Ki
+  # elements (the bound), an LSTM 512 Ki.
+  assert _one_step.MATVEC_MAX_BATCH == 3
+  assert _one_step.matrix_elements(jcr.CudnnGRU(1, 256, 256), 0) == 384 * 1024
+  assert _one_step.MATVEC_BATCH_MAX_ELEMENTS == 384 * 1024
+  for batch in (2, 3):
+    assert one(jcr.CudnnLSTM(1, 256, 64), batch=batch).matvec
+    assert one(jcr.CudnnGRU(1, 256, 256), batch=batch).matvec
+    assert one(jcr.CudnnLSTM(1, 256, 256), batch=batch).matvec is False  # the whole buffer
+    assert one(jcr.CudnnGRU(2, 256, 256), batch=batch, layer=1).matvec
+  assert one(jcr.CudnnLSTM(1, 256, 64), batch=4) is None
+  assert one(jcr.CudnnGRU(1, 256, 256), batch=4).matvec is False
   assert _one_step.plan(jcr.CudnnGRU(1, 256, 256), 0, jax.ShapeDtypeStruct((1, 1, 256),
                                                                           jnp.float32),
                         looped=True) is None

@@ -26,7 +26,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _chunks, _cpu, _lanes, _reference, _rounded_dot, _xla
+from jax_cudnn_rnn import _chunks, _cpu, _lanes, _one_step, _reference, _rounded_dot, _xla
 from helpers import (SPEC_CLASSES, assert_gradient_is_one_concatenation, every_output_loss,
                      jaxpr_equations, padding_changes_nothing, random_canonical, random_inputs,
                      relative_error)
@@ -1056,7 +1056,8 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   transposed, or on one sequence. Values and gradients against the
   reference's loop, and values with a sequence of length 0."""
   spec = cls(1, 8, 8, dtype=jnp.float32)  # the output is the next step's input
-  x, h, c = random_inputs(spec, 1, 3)
+  # More sequences than one-step calls multiply in place (`_one_step.plan`).
+  x, h, c = random_inputs(spec, 1, _one_step.MATVEC_MAX_BATCH + 1)
   params = spec.init_params(jax.random.key(3))
   stacks = cls is not jcr.CudnnGRU
   fast, slow = _decoder(spec, _xla.rnn), _decoder(spec, _reference.rnn)
@@ -1101,7 +1102,7 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
     np.testing.assert_allclose(a, b, **tol)
   # A sequence of length 0 keeps its state and outputs zeros (the mask, and an
   # LSTM's last cells, on the step axis kept: `_reference.forward_scan`).
-  lengths = jnp.array([1, 0, 1], jnp.int32)
+  lengths = jnp.array([1, 0, 1, 1], jnp.int32)
   masked, reference = (_decoder(spec, r, seq_lengths=lengths) for r in (_xla.rnn, _reference.rnn))
   assert _products_per_token(masked, x, h, c, params) == (1 if stacks else 2)
   got, want = jax.jit(masked)(x, h, c, params), jax.jit(reference)(x, h, c, params)
