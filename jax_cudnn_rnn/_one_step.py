@@ -30,7 +30,7 @@ Where it gained, and where it did not. In a loop that closes over its weights
 of the loop, and the whole buffer multiplied every step lost (session 51: GRU
 B32 I256 H256 146.8 -> 204.6 us a token, LSTM B8 I64 H128 15.0 -> 30.1); a
 call that sees such a loop (`_xla.weights_from_enclosing_trace`) keeps the
-slices. A single jitted call, on the 2-core Xeon with AMX, float32, each
+slices (but for one sequence's matrix-vector products, below). A single jitted call, on the 2-core Xeon with AMX, float32, each
 pair interleaved in one process, us, the slices -> the whole buffer (Flax's
 cells; benchmarks/NOTES.md, session 75):
 - one layer, I = H = 256 (one view, 256 wide): GRU B1 (two layers) 559 ->
@@ -157,6 +157,25 @@ layers of it gained, 328 -> 239), GRU I = H = 384 B2 276 -> 364, GRU I = H =
 GRU H256 I128 B4 250 -> 254; GRU I64 H128 B8 97 -> 149 (though GRU I64
 H128 B4 142 -> 131, LSTM I64 H128 B4 183 -> 128 and LSTM two layers I = H =
 256 B4 513 -> 411 gained).
+In a decoder's loop, which closes over its weights, XLA hoists the
+slices' copies out of the loop; yet one sequence's matrix-vector products,
+which copy nothing, ran faster there over middling matrices: a 64-step
+`lax.scan` of decode.py's step, us a token, the slices -> the products
+(Flax's cells), one process a line (benchmarks/NOTES.md, session 93): LSTM
+I64 H128 13.5 -> 11.4 (12.5), 17.1 -> 14.0 (18.0), 12.8 -> 11.2 (13.1); two
+layers 32.9 -> 27.0 (31.2); LSTM I = H = 128 20.2 -> 16.2 (19.5), two layers
+37.8 -> 30.9 (35.5), 37.1 -> 29.9 (36.0); LSTM H192 I128 37.3 -> 31.2 (34.9),
+32.0 -> 27.2 (31.9); LSTM H96 I64 9.8 -> 8.6 (9.6); LSTM I = H = 64 6.1 ->
+4.6 (5.6); GRU I64 H128 10.6 -> 8.9 (10.5), 11.7 -> 10.0 (12.9), 9.9 -> 8.5
+(10.3); GRU I = H = 128 17.7 -> 14.2 (16.6), 12.7 -> 10.6 (11.0); GRU H192
+I64 22.7 -> 19.3 (20.6); GRU I = H = 96 9.6 -> 8.5 (10.3); GRU I = H = 64
+6.7 -> 4.8 (6.7), 5.1 -> 3.6 (5.6). An input 32 wide lost (LSTM I32 H64 5.9
+-> 6.6, 5.5 -> 6.2; GRU 5.0 -> 5.7), and larger matrices went both ways:
+GRU H256 I128 (288 Ki elements) 34.6 -> 34.9 (31.8), 43.9 -> 38.7 (37.1);
+GRU I = H = 256 (384 Ki) 56.2 -> 52.8 (51.3), two layers 102.3 -> 104.6
+(90.9); LSTM I = H = 256 two layers (512 Ki) 119.3 -> 128.6 (127.2). Hence
+`LOOP_MATVEC_MIN_COLUMNS` and `LOOP_MATVEC_MAX_ELEMENTS`, for a float32
+model's one sequence alone (more sequences keep `_xla`'s loop rules).
 A bfloat16 model's one sequence takes them too (its input and state
 rounded to bfloat16 where they meet a weight matrix, the products
 accumulated in float32: the values of its sliced products, bit for bit),
@@ -188,6 +207,8 @@ MAX_EXTRA_PRODUCTS = {"lstm": 24, "gru": 32, "rnn_tanh": 32, "rnn_relu": 32}
 MATVEC_MAX_BYTES = 512 * 1024
 MATVEC_MAX_BATCH = 3
 MATVEC_BATCH_MAX_ELEMENTS = 384 * 1024
+LOOP_MATVEC_MIN_COLUMNS = 64
+LOOP_MATVEC_MAX_ELEMENTS = 256 * 1024
 
 
 class Plan(NamedTuple):
@@ -214,23 +235,27 @@ class Plan(NamedTuple):
 
 
 def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
-  """The plan of `layer`'s one-step call over the buffer as it lies, or None where
-  it multiplies sliced matrices (`_xla._forward`): a call not in a loop that
-  closes over its weights (`looped`), one step (`x [T, B, in]`, time-major,
-  in the computation dtype, float32), on a CPU that is JAX's only device
-  (`_cpu.sole_device`; the module docstring); then, for one sequence, or up
-  to `MATVEC_MAX_BATCH` where a direction's matrices of the layer hold at
-  most `MATVEC_BATCH_MAX_ELEMENTS`, the matrix-vector products (`matvec`),
-  else the whole buffer's products,
-  where its views are at least `MIN_PIECE` wide (`_input_piece`), a direction's
-  matrices of the layer hold at least `MIN_ELEMENTS` (`matrix_elements`),
-  and they make at most `MAX_EXTRA_PRODUCTS` multiplications more than the
-  layer's own products need for each weight they no longer copy
-  (`extra_products`). Those for a float32 model; a bfloat16 model's one
-  sequence takes the matrix-vector products where its matrices hold at
-  least `MIN_ELEMENTS`, other models none."""
+  """The plan of `layer`'s one-step call over the buffer as it lies, or None
+  where it multiplies sliced matrices (`_xla._forward`), for a call of one
+  step (`x [T, B, in]`, time-major, in the computation dtype, float32) on a
+  CPU that is JAX's only device (`_cpu.sole_device`; the module docstring).
+
+  In a loop that closes over its weights (`looped`: a decoder's), a float32
+  model's one sequence alone takes the matrix-vector products (`matvec`),
+  where each of the layer's matrices is at least `LOOP_MATVEC_MIN_COLUMNS`
+  wide and a direction's hold at most `LOOP_MATVEC_MAX_ELEMENTS`.
+  Outside one, a float32 model takes the matrix-vector products for one
+  sequence, or up to `MATVEC_MAX_BATCH` where a direction's matrices of the
+  layer hold at most `MATVEC_BATCH_MAX_ELEMENTS`; else the whole buffer's
+  products, where its views are at least `MIN_PIECE` wide (`_input_piece`),
+  a direction's matrices of the layer hold at least `MIN_ELEMENTS`
+  (`matrix_elements`), and they make at most `MAX_EXTRA_PRODUCTS`
+  multiplications more than the layer's own products need for each weight
+  they no longer copy (`extra_products`). A bfloat16 model's one sequence
+  takes the matrix-vector products where its matrices hold at least
+  `MIN_ELEMENTS`; other models none."""
   steps, batch = x.shape[:2]
-  if looped or not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
+  if not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
     return None
   if steps != 1 or np.dtype(x.dtype) != np.float32:
     return None
@@ -241,7 +266,12 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   has_w = spec.layer_has_input_weights(layer)
   x_piece = _input_piece(spec, layer) if has_w else None
   large = matrix_elements(spec, layer) >= MIN_ELEMENTS
-  if model == np.float32:
+  if looped:
+    columns = min(H, spec.layer_input_size(layer)) if has_w else H
+    whole = False
+    matvec = (model == np.float32 and batch == 1 and columns >= LOOP_MATVEC_MIN_COLUMNS
+              and matrix_elements(spec, layer) <= LOOP_MATVEC_MAX_ELEMENTS)
+  elif model == np.float32:
     whole = (min(H, x_piece or H) >= MIN_PIECE and large
              and extra_products(spec, layer, batch) <= MAX_EXTRA_PRODUCTS[spec.rnn_mode])
     matvec = batch == 1 or (batch <= MATVEC_MAX_BATCH
@@ -300,8 +330,9 @@ def extra_products(spec, layer: int, batch: int) -> float:
 
 def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
   """One step of every direction of a layer, as `_xla._forward` without
-  coefficients returns it, `(ys, hT, cT)`, its products taken from products
-  of the whole `buffer` (flat, in the computation dtype), one a view width.
+  coefficients returns it, `(ys, hT, cT)`, its products taken from `buffer`
+  (flat, in the computation dtype) as `plan` says: the matrix-vector
+  products, or products of the whole buffer, one a view width.
   Arguments as `_reference.forward_scan`'s, but `xs[0]` alone is read: at one step
   every direction's input is the same, but where a sequence is empty, whose
   outputs the mask drops."""

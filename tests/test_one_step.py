@@ -387,7 +387,8 @@ def test_one_sequence_rule():
   any size, a lone layer whose input is narrower than its state too (it
   kept the whole buffer's products before they were cut in blocks); up to
   `MATVEC_MAX_BATCH` sequences where a direction's matrices of the layer
-  hold at most `MATVEC_BATCH_MAX_ELEMENTS`; more sequences do not."""
+  hold at most `MATVEC_BATCH_MAX_ELEMENTS`; more sequences do not. In a
+  decoder's loop, one sequence over middling matrices (`LOOP_MATVEC_*`)."""
   one = lambda spec, batch=1, layer=0: _one_step.plan(
       spec, layer, jax.ShapeDtypeStruct((1, batch, spec.layer_input_size(layer)), jnp.float32),
       looped=False)
@@ -417,6 +418,19 @@ def test_one_sequence_rule():
   assert _one_step.plan(jcr.CudnnGRU(1, 256, 256), 0, jax.ShapeDtypeStruct((1, 1, 256),
                                                                           jnp.float32),
                         looped=True) is None
+  # In a decoder's loop (`looped`): one float32 sequence, every matrix at
+  # least 64 wide, a direction's matrices at most 256 Ki elements (an LSTM
+  # H128 I384 holds 256 Ki).
+  loop = lambda spec, batch=1: _one_step.plan(
+      spec, 0, jax.ShapeDtypeStruct((1, batch, spec.input_size), jnp.float32), looped=True)
+  assert (_one_step.LOOP_MATVEC_MIN_COLUMNS, _one_step.LOOP_MATVEC_MAX_ELEMENTS) == (64, 1 << 18)
+  assert loop(jcr.CudnnLSTM(1, 128, 64)).matvec
+  assert loop(jcr.CudnnGRU(1, 64, 64)).matvec
+  assert loop(jcr.CudnnLSTM(1, 128, 384)).matvec
+  assert loop(jcr.CudnnLSTM(1, 128, 392)) is None
+  assert loop(jcr.CudnnLSTM(1, 64, 32)) is None and loop(jcr.CudnnGRU(1, 32, 64)) is None
+  assert loop(jcr.CudnnLSTM(1, 128, 64), batch=2) is None
+  assert loop(jcr.CudnnLSTM(1, 128, 64, dtype=jnp.bfloat16)) is None
   # A bfloat16 model from `MIN_ELEMENTS` in a direction's matrices (a GRU
   # I = H = 128 holds 96 Ki), on one sequence alone; not float16 nor float64.
   bf16 = lambda cls, units, inputs: cls(1, units, inputs, dtype=jnp.bfloat16)
@@ -427,6 +441,49 @@ def test_one_sequence_rule():
   assert one(jcr.CudnnGRU(1, 256, 256)).operands is None
   for dtype in (jnp.float16, jnp.float64):
     assert one(jcr.CudnnGRU(1, 256, 256, dtype=dtype)) is None
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_decoders_loop_on_one_sequence_multiplies_in_place(cls, monkeypatch):
+  """A decoder's `lax.scan` of one-step calls closing over the buffer, on
+  one sequence over middling matrices (`LOOP_MATVEC_*`), no bound patched:
+  the matrix-vector products, which copy no matrix out of the buffer (the
+  compiled loop's temporary buffers hold less than its smallest matrix, as
+  they do not with the loop's slices: this fails so); values and gradients
+  against the reference's loop."""
+  spec = cls(2, 128, 64, dtype=jnp.float32)
+  assert all(_one_step.plan(spec, layer, jax.ShapeDtypeStruct((1, 1, spec.layer_input_size(
+      layer)), jnp.float32), looped=True).matvec for layer in (0, 1))
+  cpu = jax.devices("cpu")[0]
+  params = jax.device_put(spec.init_params(jax.random.key(7)), cpu)
+  x, h, c = jax.device_put(random_inputs(spec, 1, 1, seed=8), cpu)
+  proj = jnp.asarray(np.random.default_rng(9).normal(size=(128, 64)) * 0.1, jnp.float32)
+
+  def decode(rnn):
+    def run(x, h, c, params):
+      def body(carry, _):
+        x, h, c = carry
+        y, h, c = rnn(spec, x, h, c, params)
+        return (jnp.tanh(y @ proj), h, c), None
+      return jax.lax.scan(body, (x, h, c), None, length=4)[0]
+    return run
+
+  fast, slow = decode(_xla.rnn), decode(_reference.rnn)
+  weights, _ = spec.params_to_canonical(params)
+  smallest = min(w.size for w in weights) * spec.num_gates * 4
+  temp = lambda f: jax.jit(f).lower(x, h, c, params).compile().memory_analysis().temp_size_in_bytes
+  assert temp(fast) < smallest, (temp(fast), smallest)
+  for a, b in zip(jax.jit(fast)(x, h, c, params), jax.jit(slow)(x, h, c, params)):
+    if b is not None:
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+  loss = lambda f: lambda x, h, p: jnp.sum(jnp.sin(f(x, h, c, p)[0]))
+  for a, b in zip(jax.jit(jax.grad(loss(fast), (0, 1, 2)))(x, h, params),
+                  jax.jit(jax.grad(loss(slow), (0, 1, 2)))(x, h, params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  monkeypatch.setattr(_one_step, "LOOP_MATVEC_MAX_ELEMENTS", 0)
+  sliced = decode(lambda *args: _xla.rnn(*args))  # traced afresh
+  assert temp(sliced) >= smallest
 
 
 @pytest.mark.usefixtures("cpu_host")
