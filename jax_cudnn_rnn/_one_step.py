@@ -30,9 +30,10 @@ Where it gained, and where it did not. In a loop that closes over its weights
 of the loop, and the whole buffer multiplied every step lost (session 51: GRU
 B32 I256 H256 146.8 -> 204.6 us a token, LSTM B8 I64 H128 15.0 -> 30.1); a
 call that sees such a loop (`_xla.weights_from_enclosing_trace`) keeps the
-slices (but for one sequence's matrix-vector products, below). A single jitted call, on the 2-core Xeon with AMX, float32, each
-pair interleaved in one process, us, the slices -> the whole buffer (Flax's
-cells; benchmarks/NOTES.md, session 75):
+slices (but for one sequence's matrix-vector products, below). A single
+jitted call, on the 2-core Xeon with AMX, float32, each pair interleaved in
+one process, us, the slices -> the whole buffer (Flax's cells;
+benchmarks/NOTES.md, session 75):
 - one layer, I = H = 256 (one view, 256 wide): GRU B1 (two layers) 559 ->
   424 (306), B4 609 -> 337 (221), B8 570 -> 278 (239), B16 710 -> 424 (454),
   B32 857 -> 688 (582); LSTM B1 (two layers) 813 -> 644 (820), B8 796 -> 319
