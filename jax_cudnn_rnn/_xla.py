@@ -114,7 +114,10 @@ But a one-step call that sees it runs in a loop closing over its weights
 transposed where the recurrent matrix is small (`_transposes_in_loop`; LSTM
 B8 I64 H128, 64 steps: 52.7 -> 40.8 us a token, Flax's cell 36.1; session 74),
 and for middling hidden sizes as a product per gate, as Flax's cells do
-(`_gate_blocks_in_loop`; GRU B8 I256 H256 117.6 -> 81.8; session 78).
+(`_gate_blocks_in_loop`; GRU B8 I256 H256 117.6 -> 81.8; session 78); on
+one sequence over middling matrices it multiplies each matrix where it lies
+in the buffer instead (`_one_step.plan`; LSTM B1 I64 H128 12.8 -> 11.2 us a
+token, Flax's cell 13.1; session 93).
 And a float32 one-step call outside such a loop, over large enough matrices
 and a small batch, slices nothing: it multiplies the whole buffer, viewed as
 rows as wide as its input and as its states (`_one_step`'s rule; GRU B8 I256
