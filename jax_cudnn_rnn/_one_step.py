@@ -187,8 +187,13 @@ I = H = 128 516 -> 291, 364 -> 211; GRU I = H = 192 428 -> 198; GRU I = H =
 layers 327 -> 251; LSTM two layers 531 -> 317; LSTM I = H = 512 765 -> 405.
 Smaller ones lost: LSTM H128 I96 120 -> 188, I64 108 -> 172 and 146 -> 222;
 GRU H128 I64 121 -> 198; LSTM H64 I128 113 -> 190 (though the GRU I = H =
-128 gained, 131 -> 104, and two layers of it 300 -> 111). float16 and
-float64 models were not measured, and keep the slices.
+128 gained, 131 -> 104, and two layers of it 300 -> 111): the layer reads
+a bfloat16 model's buffer widened to float32, so that each fused product
+reads the whole buffer through the widening, whose flops make XLA:CPU's
+cost model take the kernel for compute-bound and split it over both
+threads at any size, blocks or not (on one core the products won: LSTM I64
+H128 134 against the slices' 147 us; benchmarks/NOTES.md, session 93).
+float16 and float64 models were not measured, and keep the slices.
 """
 
 from __future__ import annotations
