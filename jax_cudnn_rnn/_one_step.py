@@ -205,7 +205,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cudnn_rnn import _cpu, _layout, _reference, _spec
+from jax_cudnn_rnn import _cpu, _layout, _reference, _requirements, _spec
 
 MIN_PIECE = 128
 MIN_ELEMENTS = 128 * 1024
@@ -215,6 +215,7 @@ MATVEC_MAX_BATCH = 3
 MATVEC_BATCH_MAX_ELEMENTS = 384 * 1024
 LOOP_MATVEC_MIN_COLUMNS = 64
 LOOP_MATVEC_MAX_ELEMENTS = 256 * 1024
+MATVEC_JAX_BELOW = (0, 11)
 
 
 class Plan(NamedTuple):
@@ -259,7 +260,8 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   multiplications more than the layer's own products need for each weight
   they no longer copy (`extra_products`). A bfloat16 model's one sequence
   takes the matrix-vector products where its matrices hold at least
-  `MIN_ELEMENTS`; other models none."""
+  `MIN_ELEMENTS`; other models none. The matrix-vector products, under a
+  JAX whose XLA:CPU runs them fast alone (`matvec_runs_fast`)."""
   steps, batch = x.shape[:2]
   if not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
     return None
@@ -276,14 +278,16 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
     columns = min(H, spec.layer_input_size(layer)) if has_w else H
     whole = False
     matvec = (model == np.float32 and batch == 1 and columns >= LOOP_MATVEC_MIN_COLUMNS
-              and matrix_elements(spec, layer) <= LOOP_MATVEC_MAX_ELEMENTS)
+              and matrix_elements(spec, layer) <= LOOP_MATVEC_MAX_ELEMENTS
+              and matvec_runs_fast())
   elif model == np.float32:
     whole = (min(H, x_piece or H) >= MIN_PIECE and large
              and extra_products(spec, layer, batch) <= MAX_EXTRA_PRODUCTS[spec.rnn_mode])
-    matvec = batch == 1 or (batch <= MATVEC_MAX_BATCH
-                            and matrix_elements(spec, layer) <= MATVEC_BATCH_MAX_ELEMENTS)
+    matvec = matvec_runs_fast() and (
+        batch == 1 or (batch <= MATVEC_MAX_BATCH
+                       and matrix_elements(spec, layer) <= MATVEC_BATCH_MAX_ELEMENTS))
   else:
-    whole, matvec = False, batch == 1 and large
+    whole, matvec = False, batch == 1 and large and matvec_runs_fast()
   if not (whole or matvec):
     return None
   weights, _ = _layout.tensors(spec)
@@ -406,6 +410,18 @@ def _matvec_products(g: int, plan: Plan, x, h0, buffer):
 
   return (lambda d: product(plan.w_rows[d] * plan.x_piece, plan.inputs, x),
           lambda d: product(plan.r_rows[d] * H, H, h0[d]))
+
+
+def matvec_runs_fast(version: str | None = None) -> bool:
+  """Whether JAX's `version` (the installed one's by default) is older than
+  `MATVEC_JAX_BELOW`: its XLA:CPU ran the fused matrix-vector products
+  faster than the slices (jax 0.10.2; benchmarks/NOTES.md, sessions 92-93).
+  Under jax 0.12.1 they ran slower, on the same Zen 3, quiet, decode.py's
+  step, us, the products / the slices / Flax's cells: GRU B1 I256 H256 two
+  layers 1198 / 711 / 262 (jax 0.10.2: 192 / 369 / 214); LSTM B1 I64 H128
+  267 / 251 / 324 (125 / 201 / 214). jax 0.11 was not measured."""
+  version = jax.__version__ if version is None else version
+  return _requirements.version_tuple(version) < MATVEC_JAX_BELOW
 
 
 def _row_blocks(rows: int, columns: int, itemsize: int) -> list[int]:

@@ -24,6 +24,14 @@ def cpu_host(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
 
 
+@pytest.fixture(autouse=True)
+def matvec_as_measured(monkeypatch):
+  """The rules as measured, under jax 0.10: the matrix-vector products
+  whatever JAX runs the tests (`_one_step.matvec_runs_fast`, which
+  `test_matvec_runs_fast_under_jax_0_10` checks)."""
+  monkeypatch.setattr(_one_step, "matvec_runs_fast", lambda version=None: True)
+
+
 def _products(fn, *args) -> list:
   """The shapes of the left operands of `fn`'s products, nested ones too."""
   eqns = jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
@@ -325,6 +333,25 @@ def test_one_sequence_in_bfloat16(cls, layers, units, inputs, direction, monkeyp
       np.testing.assert_allclose(up(a), r, rtol=0, atol=0.03)
   weights, _ = spec.params_to_canonical(params)
   assert temp < min(w.size for w in weights) * spec.num_gates * 2, temp
+
+
+def test_matvec_runs_fast_under_jax_0_10(monkeypatch):
+  """The matrix-vector products under jax 0.10 alone (under 0.12.1 they ran
+  slower than the slices); without them one sequence's call takes the
+  whole buffer or the slices, as before them, in or out of a loop."""
+  monkeypatch.undo()  # the real gate, not the fixture's
+  assert _one_step.MATVEC_JAX_BELOW == (0, 11)
+  assert _one_step.matvec_runs_fast("0.10.2") and _one_step.matvec_runs_fast("0.10.1")
+  assert not _one_step.matvec_runs_fast("0.11.0") and not _one_step.matvec_runs_fast("0.12.1")
+  assert _one_step.matvec_runs_fast() == (jax.__version__.startswith("0.10."))
+  monkeypatch.setattr(_one_step, "matvec_runs_fast", lambda version=None: False)
+  one = lambda spec, batch=1, looped=False: _one_step.plan(
+      spec, 0, jax.ShapeDtypeStruct((1, batch, spec.input_size), jnp.float32), looped=looped)
+  assert one(jcr.CudnnGRU(2, 256, 256)).matvec is False  # the whole buffer
+  assert one(jcr.CudnnGRU(1, 256, 256), batch=3).matvec is False
+  assert one(jcr.CudnnLSTM(1, 128, 64)) is None  # the slices
+  assert one(jcr.CudnnLSTM(1, 128, 64), looped=True) is None
+  assert one(jcr.CudnnLSTM(1, 256, 256, dtype=jnp.bfloat16)) is None
 
 
 def test_row_blocks():
