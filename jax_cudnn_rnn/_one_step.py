@@ -273,21 +273,19 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   H, g = spec.num_units, spec.num_gates
   has_w = spec.layer_has_input_weights(layer)
   x_piece = _input_piece(spec, layer) if has_w else None
-  large = matrix_elements(spec, layer) >= MIN_ELEMENTS
+  elements = matrix_elements(spec, layer)
   if looped:
     columns = min(H, spec.layer_input_size(layer)) if has_w else H
     whole = False
     matvec = (model == np.float32 and batch == 1 and columns >= LOOP_MATVEC_MIN_COLUMNS
-              and matrix_elements(spec, layer) <= LOOP_MATVEC_MAX_ELEMENTS
-              and matvec_runs_fast())
+              and elements <= LOOP_MATVEC_MAX_ELEMENTS)
   elif model == np.float32:
-    whole = (min(H, x_piece or H) >= MIN_PIECE and large
+    whole = (min(H, x_piece or H) >= MIN_PIECE and elements >= MIN_ELEMENTS
              and extra_products(spec, layer, batch) <= MAX_EXTRA_PRODUCTS[spec.rnn_mode])
-    matvec = matvec_runs_fast() and (
-        batch == 1 or (batch <= MATVEC_MAX_BATCH
-                       and matrix_elements(spec, layer) <= MATVEC_BATCH_MAX_ELEMENTS))
+    matvec = batch == 1 or (batch <= MATVEC_MAX_BATCH and elements <= MATVEC_BATCH_MAX_ELEMENTS)
   else:
-    whole, matvec = False, batch == 1 and large and matvec_runs_fast()
+    whole, matvec = False, batch == 1 and elements >= MIN_ELEMENTS
+  matvec = matvec and matvec_runs_fast()
   if not (whole or matvec):
     return None
   weights, _ = _layout.tensors(spec)
