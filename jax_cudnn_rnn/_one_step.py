@@ -216,6 +216,9 @@ MATVEC_BATCH_MAX_ELEMENTS = 384 * 1024
 LOOP_MATVEC_MIN_COLUMNS = 64
 LOOP_MATVEC_MAX_ELEMENTS = 256 * 1024
 MATVEC_JAX_BELOW = (0, 11)
+LANES_MAX_ELEMENTS = 512 * 1024
+LANES_MAX_TERMS = 8
+LANES_MIN_WIDTH = 16
 
 
 class Plan(NamedTuple):
@@ -230,7 +233,9 @@ class Plan(NamedTuple):
   and of its recurrent matrix in the state's. `matvec`: one sequence or a
   few, whose products take each matrix where it lies instead (the module docstring),
   at the offset its rows give; `operands`: bfloat16 where those products
-  round their vectors so (a bfloat16 model's), else None."""
+  round their vectors so (a bfloat16 model's), else None; `lanes`: those
+  products summed in lanes (`_lanes_product`), not as XLA:CPU's fused
+  products (`fuses_matvec`)."""
   size: int
   inputs: int | None
   x_piece: int | None
@@ -239,6 +244,7 @@ class Plan(NamedTuple):
   r_rows: tuple
   matvec: bool = False
   operands: np.dtype | None = None
+  lanes: bool = False
 
 
 def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
@@ -247,21 +253,24 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   step (`x [T, B, in]`, time-major, in the computation dtype, float32) on a
   CPU that is JAX's only device (`_cpu.sole_device`; the module docstring).
 
-  In a loop that closes over its weights (`looped`: a decoder's), a float32
-  model's one sequence alone takes the matrix-vector products (`matvec`),
-  where each of the layer's matrices is at least `LOOP_MATVEC_MIN_COLUMNS`
-  wide and a direction's hold at most `LOOP_MATVEC_MAX_ELEMENTS`.
-  Outside one, a float32 model takes the matrix-vector products for one
+  Under a JAX whose XLA:CPU vectorizes a matrix-vector product fused with
+  its slice (`fuses_matvec`): in a loop that closes over its weights
+  (`looped`: a decoder's), a float32 model's one sequence alone takes the
+  matrix-vector products (`matvec`), where each of the layer's matrices is
+  at least `LOOP_MATVEC_MIN_COLUMNS` wide and a direction's hold at most
+  `LOOP_MATVEC_MAX_ELEMENTS`; outside one, a float32 model takes them for one
   sequence, or up to `MATVEC_MAX_BATCH` where a direction's matrices of the
-  layer hold at most `MATVEC_BATCH_MAX_ELEMENTS`; else the whole buffer's
+  layer hold at most `MATVEC_BATCH_MAX_ELEMENTS`. Under a newer JAX they are
+  summed in lanes (`lanes`), outside a loop alone, for a float32 model's one
+  sequence where a direction's matrices hold at most `LANES_MAX_ELEMENTS`.
+  A float32 model that takes no matrix-vector products takes the whole buffer's
   products, where its views are at least `MIN_PIECE` wide (`_input_piece`),
   a direction's matrices of the layer hold at least `MIN_ELEMENTS`
   (`matrix_elements`), and they make at most `MAX_EXTRA_PRODUCTS`
   multiplications more than the layer's own products need for each weight
   they no longer copy (`extra_products`). A bfloat16 model's one sequence
-  takes the matrix-vector products where its matrices hold at least
-  `MIN_ELEMENTS`; other models none. The matrix-vector products, under a
-  JAX whose XLA:CPU runs them fast alone (`matvec_runs_fast`)."""
+  takes the matrix-vector products (summed in lanes under a newer JAX)
+  where its matrices hold at least `MIN_ELEMENTS`; other models none."""
   steps, batch = x.shape[:2]
   if not all(isinstance(n, (int, np.integer)) for n in (steps, batch)):
     return None
@@ -274,18 +283,21 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   has_w = spec.layer_has_input_weights(layer)
   x_piece = _input_piece(spec, layer) if has_w else None
   elements = matrix_elements(spec, layer)
+  fused = fuses_matvec()
   if looped:
     columns = min(H, spec.layer_input_size(layer)) if has_w else H
     whole = False
-    matvec = (model == np.float32 and batch == 1 and columns >= LOOP_MATVEC_MIN_COLUMNS
-              and elements <= LOOP_MATVEC_MAX_ELEMENTS)
+    matvec = (fused and model == np.float32 and batch == 1
+              and columns >= LOOP_MATVEC_MIN_COLUMNS and elements <= LOOP_MATVEC_MAX_ELEMENTS)
   elif model == np.float32:
     whole = (min(H, x_piece or H) >= MIN_PIECE and elements >= MIN_ELEMENTS
              and extra_products(spec, layer, batch) <= MAX_EXTRA_PRODUCTS[spec.rnn_mode])
-    matvec = batch == 1 or (batch <= MATVEC_MAX_BATCH and elements <= MATVEC_BATCH_MAX_ELEMENTS)
+    if fused:
+      matvec = batch == 1 or (batch <= MATVEC_MAX_BATCH and elements <= MATVEC_BATCH_MAX_ELEMENTS)
+    else:
+      matvec = batch == 1 and elements <= LANES_MAX_ELEMENTS
   else:
     whole, matvec = False, batch == 1 and elements >= MIN_ELEMENTS
-  matvec = matvec and matvec_runs_fast()
   if not (whole or matvec):
     return None
   weights, _ = _layout.tensors(spec)
@@ -298,7 +310,7 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   return Plan(_layout.params_size(spec), spec.layer_input_size(layer) if has_w else None,
               x_piece, H, tuple(first[d, 0] // x_piece if has_w else None for d in dirs),
               tuple(first[d, 1] // H for d in dirs), matvec,
-              None if model == np.float32 else model)
+              None if model == np.float32 else model, matvec and not fused)
 
 
 def _input_piece(spec, layer: int) -> int:
@@ -402,7 +414,8 @@ def _matvec_products(g: int, plan: Plan, x, h0, buffer):
     blocks, start = [], offset
     for rows in _row_blocks(g * H, columns, buffer.dtype.itemsize):
       m = jax.lax.slice(buffer, (start,), (start + rows * columns,)).reshape(rows, columns)
-      blocks.append(jax.lax.optimization_barrier(v @ m.T))
+      blocks.append(_lanes_product(v, m) if plan.lanes
+                    else jax.lax.optimization_barrier(v @ m.T))
       start += rows * columns
     return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, -1)
 
@@ -410,16 +423,48 @@ def _matvec_products(g: int, plan: Plan, x, h0, buffer):
           lambda d: product(plan.r_rows[d] * H, H, h0[d]))
 
 
-def matvec_runs_fast(version: str | None = None) -> bool:
+def fuses_matvec(version: str | None = None) -> bool:
   """Whether JAX's `version` (the installed one's by default) is older than
-  `MATVEC_JAX_BELOW`: its XLA:CPU ran the fused matrix-vector products
-  faster than the slices (jax 0.10.2; benchmarks/NOTES.md, sessions 92-93).
-  Under jax 0.12.1 they ran slower, on the same Zen 3, quiet, decode.py's
-  step, us, the products / the slices / Flax's cells: GRU B1 I256 H256 two
-  layers 1198 / 711 / 262 (jax 0.10.2: 192 / 369 / 214); LSTM B1 I64 H128
-  267 / 251 / 324 (125 / 201 / 214). jax 0.11 was not measured."""
+  `MATVEC_JAX_BELOW`: its XLA:CPU vectorizes a matrix-vector product fused
+  into a loop kernel with its slice (jax 0.10.2: eight lanes of FMAs, the
+  vector in registers). From jax 0.11 its new fusion emitter lowers the
+  product fused so to one scalar chain of FMAs an output (read in the
+  kernels' code, session 94), and the products ran slower than the slices:
+  decode.py's step on the 2-core Zen 3, us, the fused products / the slices
+  / Flax's cells: GRU B1 I256 H256 two layers 1198 / 711 / 262 under jax
+  0.12.1 (jax 0.10.2: 192 / 369 / 214); under 0.11.2 the fused products /
+  the whole buffer / Flax's cells 1011 / 295 / 192. There the products are
+  summed in lanes instead (`_lanes_product`)."""
   version = jax.__version__ if version is None else version
   return _requirements.version_tuple(version) < MATVEC_JAX_BELOW
+
+
+def lane_terms(columns: int) -> int:
+  """The terms `_lanes_product` sums for a matrix `columns` wide: the most,
+  up to `LANES_MAX_TERMS`, that cut it into equal lanes at least
+  `LANES_MIN_WIDTH` wide (one where none does)."""
+  return max(t for t in range(1, LANES_MAX_TERMS + 1)
+             if columns % t == 0 and (t == 1 or columns // t >= LANES_MIN_WIDTH))
+
+
+def _lanes_product(v, m):
+  """`v @ m.T` for a vector `v [1, in]` and a matrix `m [rows, in]` sliced
+  from the buffer, as XLA:CPU from jax 0.11 runs it fast: `m` cut into
+  `lane_terms` column blocks, each times its piece of `v`, summed into
+  `[rows, in / terms]` lanes (one loop kernel, the slice fused and the lanes
+  vectorized: nothing copied), then the lanes summed (a reduction kernel of
+  its own). The lanes go through a barrier: else XLA makes the whole a
+  reduction whose kernel copies the slice out first (a one-layer GRU I = H =
+  256 call 136 -> 282 us). Chains of four `[384, 256]` products sliced from
+  one buffer, jax 0.12.1, us: the fused products 531, eight terms 134, four
+  134, two 303, sixteen (the slice copied out) 272; the matrices as
+  arguments of their own, multiplied by XLA's own product, 115."""
+  terms = lane_terms(m.shape[1])
+  width = m.shape[1] // terms
+  lanes = m[:, :width] * v[:, :width]
+  for t in range(1, terms):
+    lanes = lanes + m[:, t * width:(t + 1) * width] * v[:, t * width:(t + 1) * width]
+  return jax.lax.optimization_barrier(lanes).sum(-1)[None]
 
 
 def _row_blocks(rows: int, columns: int, itemsize: int) -> list[int]:

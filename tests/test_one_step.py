@@ -24,15 +24,23 @@ def cpu_host(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
 
 
-MATVEC_RUNS_FAST = _one_step.matvec_runs_fast  # the real gate, which the fixture replaces
+FUSES_MATVEC = _one_step.fuses_matvec  # the real gate, which the fixture replaces
 
 
 @pytest.fixture(autouse=True)
-def matvec_as_measured(monkeypatch):
-  """The rules as measured, under jax 0.10: the matrix-vector products
-  whatever JAX runs the tests (`_one_step.matvec_runs_fast`, which
-  `test_matvec_runs_fast_under_jax_0_10` checks)."""
-  monkeypatch.setattr(_one_step, "matvec_runs_fast", lambda version=None: True)
+def fused_matvec(monkeypatch):
+  """The rules as measured under jax 0.10, whose XLA:CPU vectorizes the
+  fused matrix-vector products, whatever JAX runs the tests
+  (`_one_step.fuses_matvec`, which `test_fuses_matvec_under_jax_0_10`
+  checks); `lanes` gives the rules of a newer JAX."""
+  monkeypatch.setattr(_one_step, "fuses_matvec", lambda version=None: True)
+
+
+@pytest.fixture
+def lanes(monkeypatch):
+  """The rules of jax 0.11 and newer: one sequence's products summed in
+  lanes (`_one_step._lanes_product`)."""
+  monkeypatch.setattr(_one_step, "fuses_matvec", lambda version=None: False)
 
 
 def _products(fn, *args) -> list:
@@ -131,16 +139,19 @@ def test_whole_buffer_at_its_own_sizes(cls):
 
 
 @pytest.mark.usefixtures("cpu_host")
-@pytest.mark.parametrize("batch", [5, 3, 1])
+@pytest.mark.parametrize("batch,form", [(5, "fused"), (3, "fused"), (1, "fused"), (1, "lanes")])
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
-def test_whole_buffer_derivatives_match_reference(cls, batch, monkeypatch):
+def test_whole_buffer_derivatives_match_reference(cls, batch, form, monkeypatch, request):
   """The derivatives of a call that takes the whole buffer (or, on up to
-  `MATVEC_MAX_BATCH` sequences, the matrices in place): gradients with respect to every
+  `MATVEC_MAX_BATCH` sequences, the matrices in place; on one, in lanes under
+  a newer JAX's rules): gradients with respect to every
   operand, the buffer's included (its tangent reaches the output through
   the slices the derivative reads, `_xla._layer`), a JVP, and values under
   `vmap` over an ensemble of buffers, against the reference; two
   bidirectional layers, with lengths."""
   _small_pieces(monkeypatch)
+  if form == "lanes":
+    request.getfixturevalue("lanes")
   spec = cls(2, 8, 8, direction="bidirectional", dtype=jnp.float32)
   x, h, c = random_inputs(spec, 1, batch)
   params = spec.init_params(jax.random.key(5))
@@ -150,8 +161,8 @@ def test_whole_buffer_derivatives_match_reference(cls, batch, monkeypatch):
   products = lambda *a: _xla.rnn(spec, *a)
   if batch <= _one_step.MATVEC_MAX_BATCH:
     assert _whole_buffer_products(products, x, h, c, params) == []
-    assert _one_step.plan(spec, 1, jax.ShapeDtypeStruct((1, batch, 16), jnp.float32),
-                          False).matvec
+    plan = _one_step.plan(spec, 1, jax.ShapeDtypeStruct((1, batch, 16), jnp.float32), False)
+    assert plan.matvec and plan.lanes == (form == "lanes")
   else:
     assert _only_whole_buffer_products(spec, products, x, h, c, params)
   argnums = (0, 1, 3) if c is None else (0, 1, 2, 3)
@@ -288,18 +299,25 @@ def test_one_sequence_copies_no_matrix(cls, layers, units, inputs, direction):
 @pytest.mark.usefixtures("cpu_host")
 @pytest.mark.parametrize("layers,units,inputs,direction", [(2, 256, 256, "unidirectional"),
                                                            (1, 384, 128, "bidirectional")])
+@pytest.mark.parametrize("form", ["fused", "lanes"])
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
-def test_one_sequence_in_bfloat16(cls, layers, units, inputs, direction, monkeypatch):
+def test_one_sequence_in_bfloat16(cls, layers, units, inputs, direction, form, monkeypatch,
+                                  request):
   """A bfloat16 model's one sequence (`Plan.operands`): the values of the
-  sliced matrices' products (the plan turned off), bit for bit, for the
-  input and states rounded to bfloat16 where they meet a weight matrix and
-  the products accumulated in float32 as before; near the float32
-  reference; and no matrix copied."""
+  sliced matrices' products (the plan turned off), bit for bit where the
+  products are fused (in lanes, which sum in another order, to a bfloat16
+  rounding), for the input and states rounded to bfloat16 where they meet a
+  weight matrix and the products accumulated in float32 as before; near the
+  float32 reference; and, fused (or in lanes under jax 0.11 and newer), no
+  matrix copied."""
+  if form == "lanes":
+    request.getfixturevalue("lanes")
   spec = cls(layers, units, inputs, direction=direction, dtype=jnp.bfloat16)
   plans = [_one_step.plan(spec, layer, jax.ShapeDtypeStruct(
       (1, 1, spec.layer_input_size(layer)), jnp.float32), looped=False)
       for layer in range(layers)]
-  assert all(p.matvec and p.operands == jnp.bfloat16 for p in plans), plans
+  assert all(p.matvec and p.operands == jnp.bfloat16 and p.lanes == (form == "lanes")
+             for p in plans), plans
   cpu = jax.devices("cpu")[0]
   params = jax.device_put(spec.init_params(jax.random.key(4)), cpu)
   x, h, c = jax.device_put(random_inputs(spec, 1, 1, seed=5), cpu)
@@ -314,29 +332,118 @@ def test_one_sequence_in_bfloat16(cls, layers, units, inputs, direction, monkeyp
   reference = _reference.rnn(f32, *map(up, (x, h, c, params)))
   for a, b, r in zip(got, sliced, reference):
     if b is not None:
-      np.testing.assert_array_equal(up(a), up(b))
+      if form == "fused":
+        np.testing.assert_array_equal(up(a), up(b))
+      else:
+        np.testing.assert_allclose(up(a), up(b), rtol=2 ** -7, atol=2 ** -9)
       np.testing.assert_allclose(up(a), r, rtol=0, atol=0.03)
   weights, _ = spec.params_to_canonical(params)
-  assert temp < min(w.size for w in weights) * spec.num_gates * 2, temp
+  if form == "fused":
+    assert temp < min(w.size for w in weights) * spec.num_gates * 2, temp
+  elif not FUSES_MATVEC():
+    assert _copies_no_matrix_in_lanes(spec, run, params, x, h, c)
 
 
 @pytest.mark.usefixtures("cpu_host")
-def test_matvec_runs_fast_under_jax_0_10(monkeypatch):
-  """The matrix-vector products under jax 0.10 alone (under 0.12.1 they ran
-  slower than the slices); without them one sequence's call takes the
-  whole buffer or the slices, as before them, in or out of a loop."""
+def test_fuses_matvec_under_jax_0_10(lanes):
+  """The fused matrix-vector products under jax 0.10 alone (from 0.11 XLA:CPU
+  runs them as scalar chains); a newer JAX's rules: one float32 sequence's
+  products in lanes up to `LANES_MAX_ELEMENTS` (an LSTM I = H = 256), outside a
+  loop alone, else the whole buffer or the slices; a bfloat16 model's from
+  `MIN_ELEMENTS`, as under jax 0.10."""
   assert _one_step.MATVEC_JAX_BELOW == (0, 11)
-  assert MATVEC_RUNS_FAST("0.10.2") and MATVEC_RUNS_FAST("0.10.1")
-  assert not MATVEC_RUNS_FAST("0.11.0") and not MATVEC_RUNS_FAST("0.12.1")
-  assert MATVEC_RUNS_FAST() == jax.__version__.startswith("0.10.")
-  monkeypatch.setattr(_one_step, "matvec_runs_fast", lambda version=None: False)
+  assert FUSES_MATVEC("0.10.2") and FUSES_MATVEC("0.10.1")
+  assert not FUSES_MATVEC("0.11.0") and not FUSES_MATVEC("0.12.1")
+  assert FUSES_MATVEC() == jax.__version__.startswith("0.10.")
   one = lambda spec, batch=1, looped=False: _one_step.plan(
       spec, 0, jax.ShapeDtypeStruct((1, batch, spec.input_size), jnp.float32), looped=looped)
-  assert one(jcr.CudnnGRU(2, 256, 256)).matvec is False  # the whole buffer
-  assert one(jcr.CudnnGRU(1, 256, 256), batch=3).matvec is False
-  assert one(jcr.CudnnLSTM(1, 128, 64)) is None  # the slices
-  assert one(jcr.CudnnLSTM(1, 128, 64), looped=True) is None
-  assert one(jcr.CudnnLSTM(1, 256, 256, dtype=jnp.bfloat16)) is None
+  assert _one_step.LANES_MAX_ELEMENTS == 512 * 1024
+  assert _one_step.matrix_elements(jcr.CudnnLSTM(1, 256, 256), 0) == 512 * 1024
+  for spec in (jcr.CudnnGRU(2, 256, 256), jcr.CudnnLSTM(1, 256, 256), jcr.CudnnLSTM(1, 128, 64),
+               jcr.CudnnGRU(1, 256, 128, direction="bidirectional"),
+               jcr.CudnnLSTM(1, 512, 512, dtype=jnp.bfloat16)):
+    plan = one(spec)
+    assert plan.matvec and plan.lanes, (spec, plan)
+  assert one(jcr.CudnnLSTM(1, 384, 384)).matvec is False  # 1.1 Mi: the whole buffer
+  assert one(jcr.CudnnLSTM(1, 256, 264)) is None  # beyond the bound, no whole buffer: slices
+  assert one(jcr.CudnnGRU(1, 256, 256), batch=2).matvec is False  # one sequence alone
+  assert one(jcr.CudnnLSTM(1, 128, 64), batch=2) is None
+  assert one(jcr.CudnnLSTM(1, 128, 64), looped=True) is None  # no loop
+  assert one(jcr.CudnnGRU(1, 128, 128, dtype=jnp.bfloat16)) is None  # under MIN_ELEMENTS
+
+
+def test_lane_terms_and_products():
+  """The lanes a matrix's product is summed in (`lane_terms`: up to eight
+  terms, lanes at least 16 wide, one term where none divides), and
+  `_lanes_product`'s values against numpy's product in float64."""
+  assert (_one_step.LANES_MAX_TERMS, _one_step.LANES_MIN_WIDTH) == (8, 16)
+  terms = {256: 8, 1024: 8, 128: 8, 64: 4, 48: 3, 32: 2, 31: 1, 16: 1, 100: 5, 8: 1, 1: 1}
+  assert {c: _one_step.lane_terms(c) for c in terms} == terms
+  rng = np.random.default_rng(11)
+  for rows, columns in [(384, 256), (7, 100), (5, 31), (3, 1), (12, 48)]:
+    m = rng.normal(size=(rows, columns)).astype(np.float32)
+    v = rng.normal(size=(1, columns)).astype(np.float32)
+    got = jax.jit(_one_step._lanes_product)(v, m)
+    assert got.shape == (1, rows)
+    np.testing.assert_allclose(got, v.astype(np.float64) @ m.T.astype(np.float64),
+                               rtol=1e-5, atol=1e-5)
+
+
+def _lanes_bytes(spec) -> int:
+  """The bytes of every float32 lanes buffer of a one-sequence call summed in
+  lanes (`_one_step._lanes_product`): `[rows, columns / lane_terms]` for each
+  matrix of every layer and direction."""
+  total = 0
+  for layer in range(spec.num_layers):
+    widths = [spec.num_units] + ([spec.layer_input_size(layer)]
+                                 if spec.layer_has_input_weights(layer) else [])
+    for columns in widths:
+      total += spec.num_dirs * spec.num_gates * spec.num_units * columns // _one_step.lane_terms(
+          columns) * 4
+  return total
+
+
+def _copies_no_matrix_in_lanes(spec, run, params, *args):
+  """Whether the compiled call's temporary buffers hold less than its lanes
+  (`_lanes_bytes`) and its smallest matrix together: one matrix copied out
+  of the buffer would take that much more."""
+  temp = jax.jit(run).lower(*args, params).compile().memory_analysis().temp_size_in_bytes
+  weights, _ = spec.params_to_canonical(params)
+  smallest = min(w.size for w in weights) * spec.num_gates * np.dtype(spec.dtype).itemsize
+  return temp < _lanes_bytes(spec) + smallest
+
+
+LANE_SHAPES = [(2, 256, 256, "unidirectional", "linear_input"),
+               (1, 100, 31, "bidirectional", "linear_input"),
+               (2, 48, 48, "bidirectional", "skip_input")]
+
+
+@pytest.mark.usefixtures("cpu_host", "lanes")
+@pytest.mark.parametrize("layers,units,inputs,direction,input_mode", LANE_SHAPES)
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_one_sequence_sums_lanes(cls, layers, units, inputs, direction, input_mode):
+  """One sequence's one-step call under a newer JAX's rules, its products in
+  lanes (`Plan.lanes`; five terms over 100 columns, one over 31, three over
+  48): no product of the whole buffer, values equal to numpy's RNN in
+  float64, with and without lengths; under jax 0.11 and newer, whose XLA:CPU
+  fuses each slice into its lanes' kernel, no matrix copied
+  (`_copies_no_matrix_in_lanes`; under jax 0.10.2 a two-layer GRU I = H =
+  256's call copied them, 4.3 MB of temporary buffers against its lanes'
+  0.4 MB)."""
+  spec = cls(layers, units, inputs, direction=direction, input_mode=input_mode,
+             dtype=jnp.float32)
+  plans = [_one_step.plan(spec, layer, jax.ShapeDtypeStruct(
+      (1, 1, spec.layer_input_size(layer)), jnp.float32), looped=False) for layer in range(layers)]
+  assert all(p.matvec and p.lanes for p in plans), plans
+  weights, biases = random_canonical(spec, seed=12, scale=0.1 if units > 64 else 0.5)
+  cpu = jax.devices("cpu")[0]
+  params = jax.device_put(spec.canonical_to_params(weights, biases), cpu)
+  x, h, c = jax.device_put(random_inputs(spec, 1, 1, seed=13), cpu)
+  _matches_numpy(spec, weights, biases, params, x, h, c, np.array([0], np.int32),
+                 lambda run: _whole_buffer_products(run, x, h, c, params) == [])
+  if not FUSES_MATVEC():
+    run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla")
+    assert _copies_no_matrix_in_lanes(spec, run, params, x, h, c)
 
 
 def test_row_blocks():
