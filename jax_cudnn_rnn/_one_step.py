@@ -194,6 +194,46 @@ cost model take the kernel for compute-bound and split it over both
 threads at any size, blocks or not (on one core the products won: LSTM I64
 H128 134 against the slices' 147 us; benchmarks/NOTES.md, session 93).
 float16 and float64 models were not measured, and keep the slices.
+
+From jax 0.11, XLA:CPU's new fusion emitter lowers a product fused with its
+slice to one scalar chain of FMAs an output (jax 0.10.2's: eight lanes), and
+the fused products ran slower than the slices (`fuses_matvec`). There one
+sequence's products are summed in lanes instead (`_lanes_product`: the
+matrix's column blocks times the vector's pieces, added into `[rows, in /
+terms]` in one vectorized loop kernel with the slice fused, then the lanes
+summed), in the same row blocks. decode.py's step on the 2-core Zen 3, jax
+0.12.1 (Python 3.13), us, in lanes (their sum a reduction kernel of its
+own, which the column sums of `_lanes_product` since replaced) / as before
+(the whole buffer or the slices) / Flax's cells, one process a line
+(benchmarks/NOTES.md, session 94):
+- gained: GRU I = H = 256 two layers 235 / 346 / 229, 224 / 308 / 211; one
+  layer 201 / 215 / 178, 136 / 154 / 118; LSTM I = H = 256 two layers 335 /
+  433 / 772, one layer 163 / 180 / 309, 160 / 176 / 301; LSTM I = H = 128 two
+  layers 153 / 229 / 341; LSTM I64 H128 192 / 202 / 229; GRU H512 I256 205 /
+  281 / 181; GRU I = H = 512 two layers 507 / 594 / 520, 718 / 770 / 688;
+  under jax 0.11.2 GRU I = H = 256 two layers 213 / 295 / 192, LSTM I64 H128
+  106 / 143 / 145;
+- level: GRU I64 H128 76 / 75 / 65; GRU H256 I128 122 / 126 / 108; GRU I = H
+  = 384 178 / 174 / 146;
+- lost, larger matrices (a direction's over 512 Ki elements), to the whole
+  buffer: GRU I = H = 512 528 / 347 / 403; LSTM I = H = 384 247 / 194 / 433;
+  LSTM H384 I128 291 / 250 / 359; LSTM I = H = 512 402 / 294 / 1043; LSTM I =
+  H = 1024 3603 / 2793 / 24037 (blocks under 256 KiB to 64 MiB did not
+  change that: LSTM I = H = 512 321-385 against 259);
+- more sequences, a product a sequence, went both ways: GRU I = H = 256 two
+  layers B2 221 / 264 / 190, B3 458 / 553 / 341; GRU H256 I128 B3 189 / 204
+  / 153; but GRU I = H = 256 B2 171 / 168 / 137; LSTM I64 H128 B2 143 / 135 /
+  141, B3 139 / 135 / 145; GRU I64 H128 B2 119 / 105 / 96, B3 177 / 113 /
+  116; LSTM H256 I128 B3 323 / 285 / 444;
+- in a decoder's loop they lost to the slices' copies hoisted out of it, us
+  a token: LSTM I64 H128 22.9 / 8.2 / 8.4; GRU 22.6 / 7.8 / 7.4; LSTM I = H =
+  128 two layers 58.7 / 32.6 / 34.0; GRU I = H = 128 24.4 / 11.9 / 11.2;
+- a bfloat16 model's, under the bfloat16 rule above: LSTM I = H = 128 109 /
+  131 / 140; GRU I = H = 256 321 / 356 / 189, two layers 467 / 474 / 364;
+  LSTM I = H = 512 448 / 1157 / 1312.
+Hence, from jax 0.11: a float32 model's one sequence alone, outside a loop,
+up to `LANES_MAX_ELEMENTS` (an LSTM I = H = 256); a bfloat16 model's as
+under jax 0.10; no loop.
 """
 
 from __future__ import annotations
@@ -219,6 +259,7 @@ MATVEC_JAX_BELOW = (0, 11)
 LANES_MAX_ELEMENTS = 512 * 1024
 LANES_MAX_TERMS = 8
 LANES_MIN_WIDTH = 16
+LANES_SUMMED_WIDTH = 32
 
 
 class Plan(NamedTuple):
@@ -452,19 +493,38 @@ def _lanes_product(v, m):
   from the buffer, as XLA:CPU from jax 0.11 runs it fast: `m` cut into
   `lane_terms` column blocks, each times its piece of `v`, summed into
   `[rows, in / terms]` lanes (one loop kernel, the slice fused and the lanes
-  vectorized: nothing copied), then the lanes summed (a reduction kernel of
-  its own). The lanes go through a barrier: else XLA makes the whole a
-  reduction whose kernel copies the slice out first (a one-layer GRU I = H =
-  256 call 136 -> 282 us). Chains of four `[384, 256]` products sliced from
-  one buffer, jax 0.12.1, us: the fused products 531, eight terms 134, four
-  134, two 303, sixteen (the slice copied out) 272; the matrices as
-  arguments of their own, multiplied by XLA's own product, 115."""
+  vectorized: nothing copied); the lanes halved, by adding their halves,
+  down to `LANES_SUMMED_WIDTH`, then summed column by column, which XLA
+  fuses into the kernel that reads the product (the cell's). The lanes go
+  through a barrier: else XLA makes the whole a reduction whose kernel
+  copies the slice out first (a one-layer GRU I = H = 256 call 136 -> 282
+  us). Chains of four `[384, 256]` products sliced from one buffer, jax
+  0.12.1, us: the fused products 531, eight terms 134, four 134, two 303,
+  sixteen (the slice copied out) 272; the matrices as arguments of their
+  own, multiplied by XLA's own product, 115. The lanes summed by a
+  reduction (a YNNPACK kernel of its own) / column by column, decode.py's
+  step, us (Flax's cells): GRU I64 H128 82.7 / 78.1 (75.6), 102.6 / 93.2
+  (88.8); LSTM I64 H128 115.0 / 107.3 (146.9), 89.3 / 83.4 (130.9); GRU I = H
+  = 256 two layers 191.6 / 172.8 (163.2), 151.2 / 145.2 (140.6); LSTM I = H =
+  256 148.5 / 136.3 (368.9); GRU H128 I1024 (lanes 128 wide) 127.9 / 126.4
+  (116.2), 152.4 / 155.1 (151.2). Halved first down to 16 or 8 lanes, in a
+  kernel of their own, they ran level with either (129.6 and 144.7 at GRU
+  H128 I1024). The halves bound the column sums to 32 (a matrix 2048 wide
+  has 256 lanes).
+  The vector rounded or not, the products are exact in float32 for a
+  bfloat16 model's weights; the sums run in another order than a product's.
+  """
   terms = lane_terms(m.shape[1])
   width = m.shape[1] // terms
   lanes = m[:, :width] * v[:, :width]
   for t in range(1, terms):
     lanes = lanes + m[:, t * width:(t + 1) * width] * v[:, t * width:(t + 1) * width]
-  return jax.lax.optimization_barrier(lanes).sum(-1)[None]
+  lanes = jax.lax.optimization_barrier(lanes)
+  while lanes.shape[1] > LANES_SUMMED_WIDTH and lanes.shape[1] % 2 == 0:
+    half = lanes.shape[1] // 2
+    lanes = lanes[:, :half] + lanes[:, half:]
+  columns = [lanes[None, :, j] for j in range(lanes.shape[1])]
+  return sum(columns[1:], columns[0])
 
 
 def _row_blocks(rows: int, columns: int, itemsize: int) -> list[int]:
