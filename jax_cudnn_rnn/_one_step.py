@@ -224,16 +224,25 @@ own, which the column sums of `_lanes_product` since replaced) / as before
   layers B2 221 / 264 / 190, B3 458 / 553 / 341; GRU H256 I128 B3 189 / 204
   / 153; but GRU I = H = 256 B2 171 / 168 / 137; LSTM I64 H128 B2 143 / 135 /
   141, B3 139 / 135 / 145; GRU I64 H128 B2 119 / 105 / 96, B3 177 / 113 /
-  116; LSTM H256 I128 B3 323 / 285 / 444;
+  116; LSTM H256 I128 B3 323 / 285 / 444; and so again with the column sums
+  of `_lanes_product`: GRU I = H = 256 two layers B2 319 / 345 / 226, B3 343 /
+  469 / 283; LSTM I = H = 256 two layers B2 308 / 342 / 536; LSTM I64 H128
+  B2 124 / 147 / 176; LSTM H256 I128 B3 231 / 239 / 352; but GRU I = H = 256
+  B2 188 / 173 / 154; GRU I64 H128 B2 146 / 133 / 137, B3 163 / 135 / 135;
 - in a decoder's loop they lost to the slices' copies hoisted out of it, us
   a token: LSTM I64 H128 22.9 / 8.2 / 8.4; GRU 22.6 / 7.8 / 7.4; LSTM I = H =
   128 two layers 58.7 / 32.6 / 34.0; GRU I = H = 128 24.4 / 11.9 / 11.2;
 - a bfloat16 model's, under the bfloat16 rule above: LSTM I = H = 128 109 /
   131 / 140; GRU I = H = 256 321 / 356 / 189, two layers 467 / 474 / 364;
   LSTM I = H = 512 448 / 1157 / 1312.
-Hence, from jax 0.11: a float32 model's one sequence alone, outside a loop,
-up to `LANES_MAX_ELEMENTS` (an LSTM I = H = 256); a bfloat16 model's as
-under jax 0.10; no loop.
+Hence, from jax 0.11: a float32 model's one sequence alone
+(`LANES_MAX_BATCH`), outside a loop, up to `LANES_MAX_ELEMENTS` (an LSTM I =
+H = 256); a bfloat16 model's as under jax 0.10; no loop. The step of
+decode.py's grid after, paired against Flax's cells
+(`results/decode-cpu-2core-zen3-jax0.12.1-2026-12-07-lanes.md`, against
+`-before-lanes.md`, run after it): GRU B1 I256 H256 two layers 0.72x ->
+1.05x, LSTM 1.59x -> 2.23x; LSTM B1 I64 H128 1.15x -> 1.30x; GRU 1.00x ->
+1.01x.
 """
 
 from __future__ import annotations
@@ -257,6 +266,7 @@ LOOP_MATVEC_MIN_COLUMNS = 64
 LOOP_MATVEC_MAX_ELEMENTS = 256 * 1024
 MATVEC_JAX_BELOW = (0, 11)
 LANES_MAX_ELEMENTS = 512 * 1024
+LANES_MAX_BATCH = 1
 LANES_MAX_TERMS = 8
 LANES_MIN_WIDTH = 16
 LANES_SUMMED_WIDTH = 32
@@ -303,7 +313,8 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   sequence, or up to `MATVEC_MAX_BATCH` where a direction's matrices of the
   layer hold at most `MATVEC_BATCH_MAX_ELEMENTS`. Under a newer JAX they are
   summed in lanes (`lanes`), outside a loop alone, for a float32 model's one
-  sequence where a direction's matrices hold at most `LANES_MAX_ELEMENTS`.
+  sequence (`LANES_MAX_BATCH`) where a direction's matrices hold at most
+  `LANES_MAX_ELEMENTS`.
   A float32 model that takes no matrix-vector products takes the whole buffer's
   products, where its views are at least `MIN_PIECE` wide (`_input_piece`),
   a direction's matrices of the layer hold at least `MIN_ELEMENTS`
@@ -336,7 +347,7 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
     if fused:
       matvec = batch == 1 or (batch <= MATVEC_MAX_BATCH and elements <= MATVEC_BATCH_MAX_ELEMENTS)
     else:
-      matvec = batch == 1 and elements <= LANES_MAX_ELEMENTS
+      matvec = batch <= LANES_MAX_BATCH and elements <= LANES_MAX_ELEMENTS
   else:
     whole, matvec = False, batch == 1 and elements >= MIN_ELEMENTS
   if not (whole or matvec):

@@ -357,7 +357,7 @@ def test_fuses_matvec_under_jax_0_10(lanes):
   assert FUSES_MATVEC() == jax.__version__.startswith("0.10.")
   one = lambda spec, batch=1, looped=False: _one_step.plan(
       spec, 0, jax.ShapeDtypeStruct((1, batch, spec.input_size), jnp.float32), looped=looped)
-  assert _one_step.LANES_MAX_ELEMENTS == 512 * 1024
+  assert (_one_step.LANES_MAX_ELEMENTS, _one_step.LANES_MAX_BATCH) == (512 * 1024, 1)
   assert _one_step.matrix_elements(jcr.CudnnLSTM(1, 256, 256), 0) == 512 * 1024
   for spec in (jcr.CudnnGRU(2, 256, 256), jcr.CudnnLSTM(1, 256, 256), jcr.CudnnLSTM(1, 128, 64),
                jcr.CudnnGRU(1, 256, 128, direction="bidirectional"),
