@@ -148,11 +148,14 @@ def test_whole_buffer_derivatives_match_reference(cls, batch, form, monkeypatch,
   operand, the buffer's included (its tangent reaches the output through
   the slices the derivative reads, `_xla._layer`), a JVP, and values under
   `vmap` over an ensemble of buffers, against the reference; two
-  bidirectional layers, with lengths."""
+  bidirectional layers, with lengths (in lanes, 32 units over 48 inputs:
+  two, three and four terms)."""
   _small_pieces(monkeypatch)
+  units, inputs = 8, 8
   if form == "lanes":
     request.getfixturevalue("lanes")
-  spec = cls(2, 8, 8, direction="bidirectional", dtype=jnp.float32)
+    units, inputs = 32, 48
+  spec = cls(2, units, inputs, direction="bidirectional", dtype=jnp.float32)
   x, h, c = random_inputs(spec, 1, batch)
   params = spec.init_params(jax.random.key(5))
   lengths = jnp.array([1, 0, 1, 1, 0][:batch], jnp.int32)
@@ -161,7 +164,8 @@ def test_whole_buffer_derivatives_match_reference(cls, batch, form, monkeypatch,
   products = lambda *a: _xla.rnn(spec, *a)
   if batch <= _one_step.MATVEC_MAX_BATCH:
     assert _whole_buffer_products(products, x, h, c, params) == []
-    plan = _one_step.plan(spec, 1, jax.ShapeDtypeStruct((1, batch, 16), jnp.float32), False)
+    plan = _one_step.plan(spec, 1, jax.ShapeDtypeStruct((1, batch, 2 * units), jnp.float32),
+                          False)
     assert plan.matvec and plan.lanes == (form == "lanes")
   else:
     assert _only_whole_buffer_products(spec, products, x, h, c, params)
@@ -375,12 +379,14 @@ def test_fuses_matvec_under_jax_0_10(lanes):
 def test_lane_terms_and_products():
   """The lanes a matrix's product is summed in (`lane_terms`: up to eight
   terms, lanes at least 16 wide, one term where none divides), and
-  `_lanes_product`'s values against numpy's product in float64."""
+  `_lanes_product`'s values against numpy's product in float64 (lanes 128
+  wide halved to 32, 40 to 20, 33 left so)."""
   assert (_one_step.LANES_MAX_TERMS, _one_step.LANES_MIN_WIDTH) == (8, 16)
   terms = {256: 8, 1024: 8, 128: 8, 64: 4, 48: 3, 32: 2, 31: 1, 16: 1, 100: 5, 8: 1, 1: 1}
   assert {c: _one_step.lane_terms(c) for c in terms} == terms
   rng = np.random.default_rng(11)
-  for rows, columns in [(384, 256), (7, 100), (5, 31), (3, 1), (12, 48)]:
+  for rows, columns in [(384, 256), (7, 100), (5, 31), (3, 1), (12, 48), (4, 1024), (2, 320),
+                        (6, 264)]:
     m = rng.normal(size=(rows, columns)).astype(np.float32)
     v = rng.normal(size=(1, columns)).astype(np.float32)
     got = jax.jit(_one_step._lanes_product)(v, m)
