@@ -2,7 +2,7 @@
 or a GPU session's `fuzz-cudnn` stage).
 
     python tests/fuzz_against_reference.py [--implementation xla|cudnn]
-        [--seed 0] [--cases 50] [--budget-s 0]
+        [--seed 0] [--cases 50] [--budget-s 0] [--one-step]
 
 The test files check chosen configurations; this draws them at random, to
 reach the "xla" path's measured rules (`_chunks`, `_lanes`, `_one_step`, the
@@ -54,6 +54,11 @@ the mask, can differ (session 89: a decoder, RNN-relu I160 H160 B64, one
 unit of one sequence at the third step, 1.8e-6 in the plain forward and the
 reference, 0 in the derivative's forward: its weight gradient 0.15 of the
 largest from the reference's, which stood 0.096 from its own float64 self).
+
+With `--one-step` every call is one step of one to three sequences outside
+a loop (no "decode" check), as a language model's sampler makes them from
+Python: those `_one_step` multiplies in place (in lanes from jax 0.11),
+which the draws above reach in about one case in a hundred.
 
 Prints a line a case ("ok", "ok-by-f64", "ok-relu-half", "BAD", "rejected",
 "raised") and a summary; exits 1 where any case was out of
@@ -115,8 +120,9 @@ class Case:
             f"tm={self.time_major} len={self.lengths} drop={self.dropout}")
 
 
-def draw(rng: random.Random, implementation: str = "xla") -> Case:
-  """A random case; its sizes bounded so that a case takes seconds on a CPU."""
+def draw(rng: random.Random, implementation: str = "xla", one_step: bool = False) -> Case:
+  """A random case; its sizes bounded so that a case takes seconds on a CPU.
+  `one_step`: one step of one to three sequences, outside a loop."""
   mode = rng.choice(list(CELLS))
   hidden = rng.choice([8, 16, 32, 64, 96, 128, 160, 192, 256, 320])
   layers = rng.choice([1, 1, 2, 3])
@@ -126,6 +132,9 @@ def draw(rng: random.Random, implementation: str = "xla") -> Case:
   batch = rng.choice([1, 2, 4, 8, 16, 17, 32, 64])
   checks = ["grad", "grad", "vmap", "decode"] + (  # cuDNN's custom_vjp has no forward mode
       ["jvp", "jvp", "hvp"] if implementation == "xla" else [])
+  if one_step:
+    steps, batch = 1, rng.choice([1, 1, 2, 3])
+    checks.remove("decode")
   check = rng.choice(checks)
   work = hidden * max(inputs, hidden) * batch
   if check == "decode":
@@ -299,6 +308,8 @@ def main(argv=None) -> int:
   parser.add_argument("--cases", type=int, default=50)
   parser.add_argument("--budget-s", type=float, default=0,
                       help="start no case after this many seconds (0: no limit)")
+  parser.add_argument("--one-step", action="store_true",
+                      help="every call one step of one to three sequences, outside a loop")
   args = parser.parse_args(argv)
   # A run of no case would report success having checked nothing.
   if args.cases < 1:
@@ -313,7 +324,8 @@ def main(argv=None) -> int:
   if jax.default_backend() == "gpu":  # the reference in full float32, as tests/conftest.py
     jax.config.update("jax_default_matmul_precision", "highest")
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-        f"implementation={args.implementation}, seed {args.seed}", flush=True)
+        f"implementation={args.implementation}, seed {args.seed}"
+        + (", one step" if args.one_step else ""), flush=True)
   rng = random.Random(args.seed)
   start = time.time()
   counts = dict.fromkeys(["ok", "ok-by-f64", "ok-relu-half", "BAD", "rejected", "raised"], 0)
@@ -321,7 +333,7 @@ def main(argv=None) -> int:
     if args.budget_s and time.time() - start > args.budget_s:
       print(f"budget spent after {index} cases")
       break
-    case = draw(rng, args.implementation)
+    case = draw(rng, args.implementation, args.one_step)
     try:
       found = errors(case, args.seed * 100003 + index, args.implementation)
       result = verdict(case, args.implementation, found)

@@ -35,6 +35,21 @@ def test_draws_stay_within_bounds():
       assert c.dropout == 0 or c.layers > 1, c
 
 
+def test_one_step_draws():
+  """`--one-step`: every call one step of one to three sequences, no
+  decoder's loop, one sequence in about half of them; the rest drawn as
+  before."""
+  for implementation in ("xla", "cudnn"):
+    rng = random.Random(1)
+    cases = [fuzz.draw(rng, implementation, one_step=True) for _ in range(200)]
+    assert {(c.steps, c.check == "decode") for c in cases} == {(1, False)}
+    batches = collections.Counter(c.batch for c in cases)
+    assert set(batches) == {1, 2, 3} and 70 <= batches[1] <= 130, batches
+    assert {c.dtype for c in cases} == set(fuzz.DTYPES)
+    for c in cases:
+      c.spec()
+
+
 @pytest.mark.parametrize("case", [
     SMALL,
     dataclasses.replace(SMALL, mode="gru", check="jvp", time_major=False),
