@@ -130,13 +130,22 @@ def test_main_counts_and_exit_status(monkeypatch, capsys, found, rc):
       raise found
     return found
 
-  monkeypatch.setattr(fuzz, "draw", lambda rng, implementation: SMALL)
+  one_step = []  # each draw's `one_step`
+
+  def draw(rng, implementation, one_step_draw=False):
+    one_step.append(one_step_draw)
+    return SMALL
+
+  monkeypatch.setattr(fuzz, "draw", draw)
   monkeypatch.setattr(fuzz, "errors", errors)
-  assert fuzz.main(["--cases", "3"]) == rc
-  summary = capsys.readouterr().out.splitlines()[-1]
   want = {0: "ok=3", 1: "BAD=3"}[rc] if isinstance(found, dict) else (
       "rejected=3" if rc == 0 else "raised=3")
-  assert want in summary, summary
+  for argv, drawn in [(["--cases", "3"], False), (["--cases", "3", "--one-step"], True)]:
+    one_step.clear()
+    assert fuzz.main(argv) == rc
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert want in summary, summary
+    assert one_step == [drawn] * 3, (argv, one_step)
 
 
 @on_a_cpu_host
