@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_cudnn_rnn as jcr
-from jax_cudnn_rnn import _one_step, _reference, _xla
+from jax_cudnn_rnn import _one_step, _reference, _requirements, _xla
 from helpers import (SPEC_CLASSES, call, every_output_loss, jaxpr_equations,
                      random_canonical, random_inputs)
 from numpy_rnn import numpy_rnn
@@ -442,9 +442,11 @@ def test_one_sequence_sums_lanes(cls, layers, units, inputs, direction, input_mo
   48): no product of the whole buffer, values equal to numpy's RNN in
   float64, with and without lengths; and no matrix copied: the compiled
   call's temporary buffers under `_lanes_bound`, which the slices' program,
-  copying every matrix, exceeds (this checks it; under jax 0.10.2 and 0.12.1
-  alike, a float32 model's lanes copy nothing: a two-layer GRU I = H = 256
-  0.30 MB, the bound 1.18, the slices 3.2)."""
+  copying every matrix, exceeds from jax 0.10.2 (this checks it; under jax
+  0.10.2 and 0.12.1 alike, a float32 model's lanes copy nothing: a two-layer
+  GRU I = H = 256 0.30 MB, the bound 1.18, the slices 3.2; jax 0.10.1, the
+  lowest pin, fuses the slices into the products and copies nothing either:
+  11 KB there, so the bound cannot tell the two apart)."""
   spec = cls(layers, units, inputs, direction=direction, input_mode=input_mode,
              dtype=jnp.float32)
   plans = [_one_step.plan(spec, layer, jax.ShapeDtypeStruct(
@@ -461,7 +463,10 @@ def test_one_sequence_sums_lanes(cls, layers, units, inputs, direction, input_mo
   assert temp < bound, (temp, bound)
   monkeypatch.setattr(_one_step, "plan", lambda *args: None)
   sliced = _temp_bytes(lambda *args: run(*args), x, h, c, params)  # traced afresh
-  assert sliced >= bound, (sliced, bound)
+  if _requirements.version_tuple(jax.__version__) >= (0, 10, 2):
+    assert sliced >= bound, (sliced, bound)
+  else:
+    assert sliced < bound, (sliced, bound)  # a change here would restore the check
 
 
 def test_row_blocks():
