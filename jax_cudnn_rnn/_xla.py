@@ -130,7 +130,9 @@ blocks 224 -> 148, Flax's cells 159; B3 618 -> 363; session 93).
 A step-by-step forward alone of an LSTM or a plain RNN, one direction, stacks
 its two transposed matrices instead and multiplies `[x_t, h]` by them, one
 product a step, the transposes one pass (`_stacks_weights`; LSTM B8 T32 I64
-H128 1.07-1.16x faster, session 72).
+H128 1.07-1.16x faster, session 72), up to 2 MiB stacked, from jax 0.11 up to
+1.5 MiB (an LSTM I = H = 256 B8 T20's forward stacked took 1.06-1.16x the two
+products' time, session 95).
 
 The per-step recurrence and the per-layer plumbing are the reference's
 (`_reference.recurrent_step`, `_reference.forward_scan`,
@@ -147,7 +149,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_cudnn_rnn import _chunks, _cpu, _lanes, _one_step, _reference, _rounded_dot, _spec
+from jax_cudnn_rnn import (_chunks, _cpu, _lanes, _one_step, _reference, _requirements,
+                            _rounded_dot, _spec)
 
 
 def _blocksum(u: jax.Array, blocks: int) -> jax.Array:
@@ -677,7 +680,38 @@ def _forward(mode, operands, xs, valid, h0, c0, W, R, bW, bR, coefficients, lane
 # prototyped alone, lost: B8 T32 I64 H128 0.91 -> 1.23, B64 T32 6.45 -> 8.06.
 # Between processes the same program moved by up to 10% here, so each figure
 # above is one process's interleaved pair.
+# From jax 0.11 (under 0.12.1 XLA:CPU's products are YNNPACK's kernels), the
+# stacked matrix of I = H = 256, 2 MiB, lost on the 2-core Zen 3: a forward, ms,
+# stacked -> two products (Flax's scan), one process a line (session 95): jax
+# 0.12.1 B8 T20 4.23 -> 3.71 (4.03), 4.67 -> 4.18 (4.36), B4 3.01 -> 2.79, B16
+# 7.28 -> 6.10 (6.02), B32 10.89 -> 10.08 (10.28), B8 T50 5.54 -> 5.38; jax
+# 0.11.2 B8 T20 3.69 -> 3.35 (3.18); but jax 0.10.2 4.89 -> 4.97 (5.44). Through
+# the library after (the bound patched back to 2 MiB), jax 0.12.1, paired round
+# by round, 40 rounds, the stacked time / the two products': B8 T20 1.12, 1.06,
+# 1.16; B16 T20 1.04, 1.08, 1.10 (one process each). Between 1.5 and 2 MiB
+# stacking lost a little or went level (jax 0.12.1: I256 H192 3.65 -> 3.55, I192
+# H256 5.77 -> 5.81, I = H = 224 3.53 -> 3.11, paired 0.95x -> 0.98x of Flax's),
+# and up to 1.5 MiB stacking still gained: I96 H256 B16 5.22 -> 6.50, I64 H256
+# 4.35 -> 4.83, I = H = 128 B32 4.27 -> 4.65 (4.76), I192 H128 B16 2.53 -> 3.76,
+# I384 H128 3.44 -> 3.89; or went either way: I128 H256 B8 3.52 -> 3.79 but
+# paired 1.11x -> 1.17x of Flax's, I64 H128 B16 T50 4.42 -> 4.24 (4.29), I = H =
+# 192 B32 (jax 0.12.1 5.44 -> 4.98, jax 0.11.2 8.22 -> 8.70). Hence, from jax
+# 0.11, the smaller bound (`stacked_max_bytes`). A decoder's loop stacks nothing
+# there (its weights blocked or opaque; LSTM B8 I = H = 256 143.7 against 142.5
+# us a token).
 STACKED_MAX_BYTES = 2 << 20
+STACKED_MAX_BYTES_FROM_JAX_0_11 = 3 << 19
+STACKED_SMALLER_FROM_JAX = (0, 11)
+
+
+def stacked_max_bytes(version: str | None = None) -> int:
+  """The most bytes `_stacks_weights` stacks under JAX's `version` (the
+  installed one's by default): `STACKED_MAX_BYTES` before
+  `STACKED_SMALLER_FROM_JAX`, `STACKED_MAX_BYTES_FROM_JAX_0_11` (1.5 MiB) from it."""
+  version = jax.__version__ if version is None else version
+  if _requirements.version_tuple(version) < STACKED_SMALLER_FROM_JAX:
+    return STACKED_MAX_BYTES
+  return STACKED_MAX_BYTES_FROM_JAX_0_11
 
 
 def _stacks_weights(mode, operands, xs, W, R, chunk, opaque) -> bool:
@@ -692,13 +726,13 @@ def _stacks_weights(mode, operands, xs, W, R, chunk, opaque) -> bool:
   None: not a bfloat16 model), where the weights are transposed (not
   `opaque`: `_reads_opaque_orientation`, for one step or one sequence, but for
   `_transposes_in_loop`), and the stacked matrix takes at most
-  `STACKED_MAX_BYTES`."""
+  `stacked_max_bytes()`."""
   if (chunk != 1 or mode == "gru" or W is None or operands is not None
       or len(xs) != 1):
     return False
   return (not opaque
           and ((W[0].shape[0] + R[0].shape[0]) * R[0].shape[1] * R[0].dtype.itemsize
-               <= STACKED_MAX_BYTES)
+               <= stacked_max_bytes())
           and jax.default_backend() == "cpu")
 
 
