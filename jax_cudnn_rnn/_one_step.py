@@ -487,8 +487,7 @@ def fuses_matvec(version: str | None = None) -> bool:
   0.12.1 (jax 0.10.2: 192 / 369 / 214); under 0.11.2 the fused products /
   the whole buffer / Flax's cells 1011 / 295 / 192. There the products are
   summed in lanes instead (`_lanes_product`)."""
-  version = jax.__version__ if version is None else version
-  return _requirements.version_tuple(version) < MATVEC_JAX_BELOW
+  return _requirements.jax_older_than(MATVEC_JAX_BELOW, version)
 
 
 def lane_terms(columns: int) -> int:

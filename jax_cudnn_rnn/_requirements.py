@@ -43,11 +43,18 @@ def version_tuple(version: str) -> tuple[int, ...]:
   return tuple(int(part) for part in match.group(0).split("."))
 
 
+def jax_older_than(bound: tuple[int, ...], version: str | None = None) -> bool:
+  """Whether JAX's `version` (the installed one's by default) is older than
+  the release `bound`, `(0, 11)` say: the version gates of the measured rules
+  (`_one_step.fuses_matvec`, `_xla.stacked_max_bytes`) and of `check_jax`."""
+  return version_tuple(jax.__version__ if version is None else version) < bound
+
+
 def check_jax(version: str | None = None) -> None:
   """Raises ImportError when JAX's `version` (the installed one's by default)
   is older than `MIN_JAX`."""
   version = jax.__version__ if version is None else version
-  if version_tuple(version) < MIN_JAX:
+  if jax_older_than(MIN_JAX, version):
     minimum = ".".join(map(str, MIN_JAX))
     raise ImportError(
         f"jax_cudnn_rnn needs jax >= {minimum}, but jax {version} is installed: older JAX "

@@ -708,8 +708,7 @@ def stacked_max_bytes(version: str | None = None) -> int:
   """The most bytes `_stacks_weights` stacks under JAX's `version` (the
   installed one's by default): `STACKED_MAX_BYTES` before
   `STACKED_SMALLER_FROM_JAX`, `STACKED_MAX_BYTES_FROM_JAX_0_11` (1.5 MiB) from it."""
-  version = jax.__version__ if version is None else version
-  if _requirements.version_tuple(version) < STACKED_SMALLER_FROM_JAX:
+  if _requirements.jax_older_than(STACKED_SMALLER_FROM_JAX, version):
     return STACKED_MAX_BYTES
   return STACKED_MAX_BYTES_FROM_JAX_0_11
 

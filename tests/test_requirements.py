@@ -31,6 +31,23 @@ def test_version_tuple_refuses_what_is_no_version():
     _requirements.version_tuple("unknown")
 
 
+@pytest.mark.parametrize("bound,version,older", [
+    ((0, 11), "0.10.2", True),
+    ((0, 11), "0.11.0.dev20261101", False),
+    ((0, 11), "0.12.1", False),
+    ((0, 10, 2), "0.10.1", True),
+    ((0, 10, 2), "0.10.2", False),
+])
+def test_jax_older_than(bound, version, older):
+  assert _requirements.jax_older_than(bound, version) is older
+
+
+def test_jax_older_than_the_installed_jax():
+  mine = _requirements.version_tuple(jax.__version__)
+  assert not _requirements.jax_older_than(mine)
+  assert _requirements.jax_older_than(mine[:-1] + (mine[-1] + 1,))
+
+
 @pytest.mark.parametrize("version", ["0.10.0", "0.9.2", "0.8.3", "0.6.0", "0.4.38"])
 def test_older_jax_is_refused_naming_both_versions(version):
   with pytest.raises(ImportError, match=rf"needs jax >= 0\.10\.1, but jax {re.escape(version)} "
