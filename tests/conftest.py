@@ -26,6 +26,20 @@ suite (`test_xla.py`, session 49), a file that passes alone; every compiled
 program keeps its code mapped, and a process may hold 65530 mappings
 (`vm.max_map_count`), a likely cause, not confirmed.
 
+Each process of the run (each xdist worker, and each child pytest that a test
+starts) compiles through a persistent compilation cache of its own, a fresh
+temporary directory removed when the process's pytest ends, with no minimum
+compile time: the suite compiles many identical programs (parametrized tests,
+new closures over the same model, files after `jax.clear_caches`), and a
+repeated one is then read back instead of compiled again. Every distinct
+program is still compiled once in the run; what a test patches reaches the
+lowered module, which keys the cache. `tests/test_transforms.py` over two
+workers: 201 -> 136 s with one cache shared by the workers (benchmarks/NOTES.md,
+session 97); a directory each, so that no worker reads an entry that another
+is still writing (JAX's cache locks its files only with a size limit, which
+needs the `filelock` package). `JCR_TEST_COMPILATION_CACHE=0` turns it off, to
+compile every program afresh (a compiler crash, say).
+
 `products` (for the tests of bfloat16 models' products): either of the CPU
 lowerings of `_rounded_dot`, whatever the host's.
 
@@ -35,11 +49,29 @@ said to be available, with the handler model's sizes and the analytic layout
 lowered, not run).
 """
 
+import os
+import shutil
+import tempfile
+
 import jax
 import pytest
 
+_COMPILATION_CACHE = None
+if os.environ.get("JCR_TEST_COMPILATION_CACHE", "1") != "0":
+  # Before anything compiles: JAX reads the setting at its first compile.
+  _COMPILATION_CACHE = tempfile.mkdtemp(prefix="jcr-test-compilation-cache-")
+  jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 from jax_cudnn_rnn import _cpu, _ops
 from handler_model import HandlerModel
+
+
+def pytest_unconfigure(config):
+  if _COMPILATION_CACHE is not None:
+    shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
+
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
