@@ -33,11 +33,12 @@ compile time: the suite compiles many identical programs (parametrized tests,
 new closures over the same model, files after `jax.clear_caches`), and a
 repeated one is then read back instead of compiled again. Every distinct
 program is still compiled once in the run; what a test patches reaches the
-lowered module, which keys the cache. `tests/test_transforms.py` over two
-workers: 201 -> 136 s with one cache shared by the workers (benchmarks/NOTES.md,
-session 97); a directory each, so that no worker reads an entry that another
-is still writing (JAX's cache locks its files only with a size limit, which
-needs the `filelock` package). `JCR_TEST_COMPILATION_CACHE=0` turns it off, to
+lowered module, which keys the cache. On a 2-core Zen 4, the README's test
+command 29:42 -> 25:07, `tests/test_transforms.py` 201 -> 128 s
+(benchmarks/NOTES.md, session 97). A directory each, not one shared by the
+workers (136 s there), so that no worker reads an entry that another is still
+writing (JAX's cache locks its files only under a size limit, which needs the
+`filelock` package). `JCR_TEST_COMPILATION_CACHE=0` turns it off, to
 compile every program afresh (a compiler crash, say).
 
 `products` (for the tests of bfloat16 models' products): either of the CPU
