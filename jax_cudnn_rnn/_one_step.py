@@ -270,6 +270,8 @@ LANES_MAX_BATCH = 1
 LANES_MAX_TERMS = 8
 LANES_MIN_WIDTH = 16
 LANES_SUMMED_WIDTH = 32
+BLOCKS_MIN_BATCH = 2
+BLOCKS_MIN_PRODUCTS = 3 * 1024 * 1024
 
 
 class Plan(NamedTuple):
@@ -296,6 +298,7 @@ class Plan(NamedTuple):
   matvec: bool = False
   operands: np.dtype | None = None
   lanes: bool = False
+  blocks: bool = False
 
 
 def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
@@ -350,7 +353,10 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
       matvec = batch <= LANES_MAX_BATCH and elements <= LANES_MAX_ELEMENTS
   else:
     whole, matvec = False, batch == 1 and elements >= MIN_ELEMENTS
-  if not (whole or matvec):
+  blocks = (model == np.float32 and not looped and block_count(spec) is not None
+            and batch >= BLOCKS_MIN_BATCH
+            and (fused or g * H * H * batch >= BLOCKS_MIN_PRODUCTS))
+  if not (whole or matvec or blocks):
     return None
   weights, _ = _layout.tensors(spec)
   # Every block's size, a matrix's `g*H x in` or a bias's `H` times a gate
@@ -362,7 +368,19 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   return Plan(_layout.params_size(spec), spec.layer_input_size(layer) if has_w else None,
               x_piece, H, tuple(first[d, 0] // x_piece if has_w else None for d in dirs),
               tuple(first[d, 1] // H for d in dirs), matvec,
-              None if model == np.float32 else model, matvec and not fused)
+              None if model == np.float32 else model, matvec and not fused, blocks)
+
+
+def block_count(spec) -> int | None:
+  """The blocks of `[g*H + g, H]` into which the buffer of a one-layer model
+  whose every matrix is H wide (linear input, I = H) falls, a matrix each
+  (`_block_products`), else None."""
+  H, g = spec.num_units, spec.num_gates
+  if spec.num_layers != 1 or spec.input_mode != "linear_input" or spec.input_size != H:
+    return None
+  count = 2 * spec.num_dirs
+  assert _layout.params_size(spec) == count * (g * H + g) * H
+  return count
 
 
 def _input_piece(spec, layer: int) -> int:
@@ -412,6 +430,8 @@ def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
   x = xs[0][0]
   if plan.matvec:
     input_product, state_product = _matvec_products(g, plan, x, h0, buffer)
+  elif plan.blocks:
+    input_product, state_product = _block_products(g, plan, x, h0, buffer)
   else:
     input_product, state_product = _view_products(g, plan, x, h0, buffer)
   # The cell on the step axis kept, `[1, B, .]`, as `_reference.forward_scan`'s
@@ -583,3 +603,32 @@ def _view_products(g: int, plan: Plan, x, h0, buffer):
 
   return (lambda d: matrix(plan.x_piece, plan.w_rows[d], plan.inputs, x_first),
           lambda d: matrix(H, plan.r_rows[d], H, h_first[d]))
+
+
+def _block_products(g: int, plan: Plan, x, h0, buffer):
+  """`(input_product, state_product)` as `_view_products`', for one layer
+  whose every matrix is H wide (`block_count`): the buffer viewed as
+  `[2D, g*H + g, H]`, a block a matrix, each block multiplied by its own
+  matrix's vector (the input, or its direction's state) in one batched
+  product, which makes the layer's own multiplications and the biases'
+  rows'. Matrix `j` starts at row `j*g*H` of the `[size / H, H]` view and
+  block `j` at `j*(g*H + g)`: the matrix's first `j*g` rows end the block
+  before, and multiply its vector in a product of their own (a slice of `j*g`
+  rows, the only copy)."""
+  H, D = plan.hidden, len(h0)
+  vectors = [v for d in range(D) for v in (x, h0[d])]
+  view = buffer.reshape(2 * D, g * H + g, H)
+  product = jax.lax.dot_general(view, jnp.stack(vectors), (((2,), (2,)), ((0,), (0,))))
+  # After a barrier, as `_view_products`'.
+  product = jax.lax.optimization_barrier(product)
+
+  def matrix(j):
+    head, v = j * g, vectors[j]
+    tail = product[j, :g * H - head].T
+    if head == 0:
+      return tail
+    start = j * g * H * H
+    m = jax.lax.slice(buffer, (start,), (start + head * H,)).reshape(head, H)
+    return jnp.concatenate([v @ m.T, tail], 1)
+
+  return (lambda d: matrix(2 * d), lambda d: matrix(2 * d + 1))

@@ -1,6 +1,7 @@
-"""A single one-step call multiplying the whole opaque buffer (`_one_step`):
-its values against numpy's RNN, its derivatives against the reference, and
-its rule's bounds."""
+"""A single one-step call multiplying the opaque buffer where it lies
+(`_one_step`): the whole buffer, its blocks, or each matrix in place; its
+values against numpy's RNN, its derivatives against the reference, and its
+rules' bounds."""
 
 import os
 
@@ -96,9 +97,16 @@ def _matches_numpy(spec, weights, biases, params, x, h, c, lengths, products):
         np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-6)
 
 
+def _no_blocks(monkeypatch):
+  """The rules without the blocks (`Plan.blocks`), which a one-layer model
+  of I = H on more than one sequence takes before the whole buffer."""
+  monkeypatch.setattr(_one_step, "BLOCKS_MIN_BATCH", np.inf)
+
+
 def _small_pieces(monkeypatch):
-  """The rule for small models: pieces from 4 elements, any matrices, any
-  extra products."""
+  """The whole buffer's rule for small models: pieces from 4 elements, any
+  matrices, any extra products; no blocks."""
+  _no_blocks(monkeypatch)
   monkeypatch.setattr(_one_step, "MIN_PIECE", 4)
   monkeypatch.setattr(_one_step, "MIN_ELEMENTS", 0)
   monkeypatch.setattr(_one_step, "MAX_EXTRA_PRODUCTS", dict.fromkeys(_one_step.MAX_EXTRA_PRODUCTS,
@@ -135,10 +143,10 @@ def test_whole_buffer_values_match_numpy(cls, layers, units, inputs, direction, 
 @pytest.mark.usefixtures("cpu_host")
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 def test_whole_buffer_at_its_own_sizes(cls):
-  """The rule as it is, no bound patched: a one-layer model of I = H = 256 on
-  8 sequences, and a bidirectional two-layer one of I = 512 (two pieces of the
+  """The rule as it is, no bound patched: a two-layer model of I = H = 256 on
+  4 sequences, and a bidirectional two-layer one of I = 512 (two pieces of the
   input, four of layer 1's) on 4, against numpy."""
-  for spec, batch in ((cls(1, 256, 256, dtype=jnp.float32), 8),
+  for spec, batch in ((cls(2, 256, 256, dtype=jnp.float32), 4),
                       (cls(2, 256, 512, direction="bidirectional", dtype=jnp.float32), 4)):
     weights, biases = random_canonical(spec, seed=4, scale=0.1)
     params = spec.canonical_to_params(weights, biases)
@@ -171,8 +179,6 @@ def test_whole_buffer_derivatives_match_reference(cls, batch, form, monkeypatch,
   x, h, c = random_inputs(spec, 1, batch)
   params = spec.init_params(jax.random.key(5))
   lengths = jnp.array([1, 0, 1, 1, 0][:batch], jnp.int32)
-  fast, slow = (every_output_loss(_xla.rnn, spec, lengths),
-                every_output_loss(_reference.rnn, spec, lengths))
   products = lambda *a: _xla.rnn(spec, *a)
   if batch <= _one_step.MATVEC_MAX_BATCH:
     assert _whole_buffer_products(products, x, h, c, params) == []
@@ -181,6 +187,14 @@ def test_whole_buffer_derivatives_match_reference(cls, batch, form, monkeypatch,
     assert plan.matvec and plan.lanes == (form == "lanes")
   else:
     assert _only_whole_buffer_products(spec, products, x, h, c, params)
+  _derivatives_match_reference(spec, x, h, c, params, lengths)
+
+
+def _derivatives_match_reference(spec, x, h, c, params, lengths):
+  """Gradients of a one-step call with respect to every operand, a JVP, and
+  values under `vmap` over an ensemble of buffers, against the reference's."""
+  fast, slow = (every_output_loss(_xla.rnn, spec, lengths),
+                every_output_loss(_reference.rnn, spec, lengths))
   argnums = (0, 1, 3) if c is None else (0, 1, 2, 3)
   tol = dict(rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.jit(jax.grad(fast, argnums))(x, h, c, params),
@@ -200,12 +214,14 @@ def test_whole_buffer_derivatives_match_reference(cls, batch, form, monkeypatch,
 
 
 @pytest.mark.usefixtures("cpu_host")
-def test_whole_buffer_rule():
-  """Where a one-step call takes the whole buffer (`_one_step.plan`): not in a
+def test_whole_buffer_rule(monkeypatch):
+  """Where a one-step call takes the whole buffer (`_one_step.plan`), the
+  blocks aside: not in a
   loop that closes over its weights, not over more than one step, not for a
   float64 or bfloat16 model, not with pieces below 128 or small matrices, nor past
   `MAX_EXTRA_PRODUCTS` (hand-counted by `extra_products`), nor on a GPU, nor
   where JAX has several devices (`sharded_cases.py` checks a sharded call)."""
+  _no_blocks(monkeypatch)
   gru, lstm = jcr.CudnnGRU(1, 256, 256), jcr.CudnnLSTM(1, 256, 256)
   step = lambda batch, dtype=jnp.float32, steps=1: jax.ShapeDtypeStruct((steps, batch, 256),
                                                                         dtype)
@@ -263,6 +279,117 @@ def test_whole_buffer_rule():
   with pytest.MonkeyPatch.context() as m:
     m.setattr(jax, "device_count", lambda *backend: 4)
     assert _one_step.plan(gru, 0, step(8), looped=False) is None
+
+
+def _block_products_shapes(fn, *args) -> list:
+  """The `(lhs, rhs)` shapes of `fn`'s products, nested ones too."""
+  eqns = jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
+  return [tuple(v.aval.shape for v in e.invars) for e in eqns
+          if e.primitive.name == "dot_general"]
+
+
+def _only_block_products(spec, batch, fn, *args) -> bool:
+  """Whether `fn`'s products are one batched product of the buffer's blocks
+  (`[2D, g*H + g, H]` by the input and the states) and, for each matrix `j`
+  but the first, its first `j*g` rows by its vector (`_block_products`)."""
+  g, H, D = spec.num_gates, spec.num_units, spec.num_dirs
+  want = [((2 * D, g * H + g, H), (2 * D, batch, H))]
+  want += [((batch, H), (H, j * g)) for j in range(1, 2 * D)]
+  return sorted(_block_products_shapes(fn, *args)) == sorted(want)
+
+
+# One-layer models of I = H through the blocks: both directions, 1 to 3
+# matrices' first rows in the block before.
+# More sequences than `MATVEC_MAX_BATCH`, which multiply their matrices in place.
+BLOCKS = [(8, "unidirectional", 4), (8, "bidirectional", 5), (12, "bidirectional", 6)]
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("units,direction,batch", BLOCKS)
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_blocks_values_match_numpy(cls, units, direction, batch):
+  """One jitted one-step call of a one-layer model of I = H on more than one
+  sequence (`Plan.blocks`), no bound patched: one batched product of the
+  buffer's blocks and a small one a matrix for its rows in the block before,
+  and values (outputs, final states) equal to numpy's RNN in float64, to
+  float32 rounding, with and without lengths (an empty sequence keeps its
+  states)."""
+  spec = cls(1, units, units, direction=direction, dtype=jnp.float32)
+  plan = _one_step.plan(spec, 0, jax.ShapeDtypeStruct((1, batch, units), jnp.float32), False)
+  assert plan.blocks and not plan.matvec
+  weights, biases = random_canonical(spec, seed=5, scale=0.5)
+  params = spec.canonical_to_params(weights, biases)
+  x, h, c = random_inputs(spec, 1, batch)
+  lengths = np.array([1, 0, 1, 1, 0, 1][:batch], np.int32)
+  _matches_numpy(spec, weights, biases, params, x, h, c, lengths,
+                 lambda run: _only_block_products(spec, batch, run, x, h, c, params))
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_blocks_at_their_own_sizes(cls, lanes):
+  """The blocks at the sizes they were measured at, under a newer JAX's
+  bound (`BLOCKS_MIN_PRODUCTS`): a one-layer model of I = H = 256 on 64
+  sequences, bidirectional on 48, against numpy."""
+  for spec, batch in ((cls(1, 256, 256, dtype=jnp.float32), 64),
+                      (cls(1, 256, 256, direction="bidirectional", dtype=jnp.float32), 48)):
+    weights, biases = random_canonical(spec, seed=6, scale=0.1)
+    params = spec.canonical_to_params(weights, biases)
+    x, h, c = random_inputs(spec, 1, batch)
+    run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla")
+    assert _only_block_products(spec, batch, run, x, h, c, params)
+    for a, b in zip(jax.jit(run)(x, h, c, params), _numpy(spec, weights, biases, x, h, c)):
+      if b is not None:
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.usefixtures("cpu_host")
+@pytest.mark.parametrize("cls", SPEC_CLASSES)
+def test_blocks_derivatives_match_reference(cls):
+  """The derivatives of a call that takes the blocks (read from the sliced
+  matrices, as the whole buffer's): gradients with respect to every operand,
+  a JVP, and values under `vmap` over an ensemble of buffers, against the
+  reference; one bidirectional layer of I = H = 8, with lengths."""
+  spec = cls(1, 8, 8, direction="bidirectional", dtype=jnp.float32)
+  x, h, c = random_inputs(spec, 1, 5)
+  params = spec.init_params(jax.random.key(7))
+  assert _only_block_products(spec, 5, lambda *a: _xla.rnn(spec, *a), x, h, c, params)
+  _derivatives_match_reference(spec, x, h, c, params, jnp.array([1, 0, 1, 1, 0], jnp.int32))
+
+
+@pytest.mark.usefixtures("cpu_host")
+def test_blocks_rule(monkeypatch):
+  """Where a one-step call takes the buffer's blocks (`Plan.blocks`): a
+  float32 model of one layer whose matrices are all H wide (I = H, linear
+  input), either direction, on `BLOCKS_MIN_BATCH` sequences or more (one
+  sequence multiplies its matrices in place), not in a loop that closes
+  over its weights; under a newer JAX, only where a matrix's product makes
+  at least `BLOCKS_MIN_PRODUCTS` multiplications. Before the whole buffer,
+  and past its bounds."""
+  gru = jcr.CudnnGRU(1, 256, 256)
+  step = lambda batch, dtype=jnp.float32: jax.ShapeDtypeStruct((1, batch, 256), dtype)
+  assert _one_step.block_count(gru) == 2
+  assert _one_step.block_count(jcr.CudnnLSTM(1, 64, 64, direction="bidirectional")) == 4
+  for spec in (jcr.CudnnGRU(2, 256, 256), jcr.CudnnGRU(1, 256, 128),
+               jcr.CudnnGRU(1, 256, 256, input_mode="skip_input")):
+    assert _one_step.block_count(spec) is None
+    assert not getattr(_one_step.plan(spec, 0, step(8), looped=False), "blocks", False)
+  assert _one_step.plan(gru, 0, step(8), looped=False) == _one_step.Plan(
+      gru.params_size(), 256, 256, 256, (0,), (768,), blocks=True)
+  # Past the whole buffer's `MAX_EXTRA_PRODUCTS` (33 a copied element).
+  assert _one_step.plan(gru, 0, step(64), looped=False).blocks
+  plan = _one_step.plan(gru, 0, step(1), looped=False)
+  assert plan.matvec and not plan.blocks
+  assert _one_step.plan(gru, 0, step(2), looped=False).matvec  # taken first
+  assert _one_step.plan(gru, 0, step(8), looped=True) is None
+  assert _one_step.plan(jcr.CudnnGRU(1, 256, 256, dtype=jnp.bfloat16), 0, step(8),
+                        looped=False) is None
+  # A newer JAX's XLA:CPU: from 3 Mi multiplications a matrix, `3 * 256 * 256 * 16`.
+  monkeypatch.setattr(_one_step, "fuses_matvec", lambda version=None: False)
+  assert _one_step.plan(gru, 0, step(16), looped=False).blocks
+  assert not _one_step.plan(gru, 0, step(15), looped=False).blocks  # the whole buffer
+  assert _one_step.plan(gru, 0, step(2), looped=False) == _one_step.Plan(
+      gru.params_size(), 256, 256, 256, (0,), (768,))
 
 
 @pytest.mark.usefixtures("cpu_host")
@@ -631,7 +758,9 @@ def test_decoders_loop_on_one_sequence_multiplies_in_place(cls, monkeypatch):
 def test_decoders_loop_keeps_the_slices():
   """A decoder's `lax.scan` of one-step calls closing over the buffer keeps
   the slices, whose copies XLA hoists out of the loop; one carrying it
-  (a call that cannot tell) multiplies the whole buffer each step."""
+  (a call that cannot tell) multiplies the buffer as it lies each step: its
+  blocks, for a model of one layer of I = H (`Plan.blocks`), else the whole
+  buffer."""
   spec = jcr.CudnnGRU(1, 256, 256, dtype=jnp.float32)
   params = spec.init_params(jax.random.key(0))
   x, h, _ = random_inputs(spec, 1, 4)
@@ -646,4 +775,8 @@ def test_decoders_loop_keeps_the_slices():
     return run
 
   assert _whole_buffer_products(decode(False), x, h, params) == []
-  assert len(_whole_buffer_products(decode(True), x, h, params)) == 1
+  assert ((2, 771, 256), (2, 4, 256)) not in _block_products_shapes(decode(False), x, h, params)
+  assert ((2, 771, 256), (2, 4, 256)) in _block_products_shapes(decode(True), x, h, params)
+  with pytest.MonkeyPatch.context() as m:
+    _no_blocks(m)
+    assert len(_whole_buffer_products(decode(True), x, h, params)) == 1
