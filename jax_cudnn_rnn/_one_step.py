@@ -1,6 +1,6 @@
 """A single one-step call that multiplies the opaque buffer where it lies:
-the whole buffer at once, or, for one sequence or a few, each matrix in
-place.
+the whole buffer at once, a one-layer model of I = H its blocks, or, for one
+sequence or a few, each matrix in place.
 
 DESIGN §4 has no module for this: it is one rule of the "xla" path's forward
 (`_xla._layer`), kept here beside its measurements, as `_lanes` and `_chunks`
@@ -75,6 +75,44 @@ Hence `MIN_PIECE`, `MIN_ELEMENTS` and `MAX_EXTRA_PRODUCTS` (an LSTM's lower:
 its B32 at I = H = 256 lost).
 Measured for float32 models on a CPU only: other dtypes, and other backends,
 keep the slices.
+
+The blocks. Where every matrix is H wide (one layer, linear input, I = H),
+each matrix and its gates' biases make `g*H + g` rows of the `[N/H, H]`
+view, and the buffer, a bitcast, falls into `[2D, g*H + g, H]`, a block a
+matrix: block `j` holds matrix `j` but its first `j*g` rows, which end block
+`j - 1`. One batched product multiplies each block by its own matrix's
+vector (the input, or its direction's state), the layer's own arithmetic and
+the biases' rows' (half the whole buffer's), and the few rows in the block
+before multiply their vector apart, from a slice of `j*g` rows
+(`_block_products`). decode.py's step on the 2-core Zen 4, one process a
+line, us, before (the whole buffer, or the slices past its bounds) -> the
+blocks (Flax's cells), paired round by round (benchmarks/NOTES.md, session
+98): under jax 0.10.2, GRU I = H = 256 B8 188.5 -> 136.3 (163.6; 0.74x), B16
+365.1 -> 300.2 (0.77x), B32 445.9 -> 348.3 (0.79x; a first draft), B64 709.3 -> 661.6
+(0.92x); LSTM B4 152.1 -> 122.5 (0.84x), B8 214.2 -> 199.9 (0.91x), B32
+(the slices) 564.7 -> 406.4 (0.74x; the draft); LSTM I = H = 128 B16 211.5 -> 172.9
+(0.82x); GRU I = H = 512 B32 1582.2 -> 1165.8 (0.73x); LSTM I = H = 1024 B8
+2698.0 -> 1845.7 (0.67x); bidirectional GRU I = H = 256 B8 381.6 -> 268.6
+(0.68x), LSTM 458.0 -> 340.6 (0.73x); level at GRU I = H = 256 B4 (1.02x,
+0.98x), LSTM I = H = 128 B128 (1.05x, 1.00x), GRU I = H = 256 B256 (1.03x).
+Under jax 0.12.1, whose XLA:CPU hands the batched product to YNNPACK, small
+products lost: GRU I = H = 256 B2 193.6 -> 232.3 (1.19x), B4 182.1 -> 230.7
+(1.24x), B8 208.6 -> 210.9 (1.10x; 1.06x in another process); LSTM I = H =
+128 B8 154.6 -> 176.4 (1.16x), B32 237.9 -> 256.6 (1.04x); larger ones
+gained: GRU I = H = 256 B16 301.8 -> 283.4 (0.95x), B32 517.2 -> 477.3
+(0.85x); LSTM B16 371.7 -> 320.3 (0.85x), B32 746.3 -> 530.6 (0.74x); LSTM I
+= H = 128 B128 760.0 -> 649.3 (0.87x); GRU I = H = 512 B8 437.2 -> 386.1
+(0.86x); bidirectional LSTM B16 660.0 -> 541.5 (0.82x); and so under jax
+0.11.2 (GRU I = H = 256 B16 389.0 -> 334.5). Hence `BLOCKS_MIN_BATCH`, and,
+from jax 0.11 (`fuses_matvec` false), `BLOCKS_MIN_PRODUCTS` multiplications
+a matrix (`g*H*H*B`). The blocks multiplied the other way round (the
+vectors by the blocks, no transpose after) lost under jax 0.12.1 (GRU I = H
+= 256 B8 1.17x, B4 1.41x). With more layers the blocks do not hold one
+layer's matrices alone: the batched product over every layer's blocks, or
+over the layer's blocks sliced out (a copy), went both ways (jax 0.10.2,
+against the whole buffer: GRU two layers I = H = 256 B8 0.78x / 0.79x, LSTM
+0.89x / 0.77x, GRU three layers B16 1.56x / 0.96x, LSTM two layers I = H =
+128 B4 1.06x / 1.22x), and those keep the whole buffer's rule.
 
 One sequence (B = 1) multiplies each matrix where it lies instead, as
 `v @ m^T` for the slice `m` of the flat buffer, which XLA:CPU fuses, slice,
@@ -288,7 +326,9 @@ class Plan(NamedTuple):
   at the offset its rows give; `operands`: bfloat16 where those products
   round their vectors so (a bfloat16 model's), else None; `lanes`: those
   products summed in lanes (`_lanes_product`), not as XLA:CPU's fused
-  products (`fuses_matvec`)."""
+  products (`fuses_matvec`); `blocks`: the input and the states multiply
+  the buffer's blocks instead, one matrix a block (`_block_products`), where
+  the matrix-vector products do not apply."""
   size: int
   inputs: int | None
   x_piece: int | None
@@ -323,7 +363,11 @@ def plan(spec, layer: int, x: jax.Array, looped: bool) -> Plan | None:
   a direction's matrices of the layer hold at least `MIN_ELEMENTS`
   (`matrix_elements`), and they make at most `MAX_EXTRA_PRODUCTS`
   multiplications more than the layer's own products need for each weight
-  they no longer copy (`extra_products`). A bfloat16 model's one sequence
+  they no longer copy (`extra_products`); before it, a float32 model of one
+  layer of I = H (`block_count`) outside a loop that closes over its weights
+  takes the blocks (`blocks`), on at least `BLOCKS_MIN_BATCH` sequences and,
+  under a newer JAX, where a matrix's product makes at least
+  `BLOCKS_MIN_PRODUCTS` multiplications. A bfloat16 model's one sequence
   takes the matrix-vector products (summed in lanes under a newer JAX)
   where its matrices hold at least `MIN_ELEMENTS`; other models none."""
   steps, batch = x.shape[:2]
@@ -422,7 +466,8 @@ def forward(mode, plan: Plan, xs, valid, h0, c0, bW, bR, buffer):
   """One step of every direction of a layer, as `_xla._forward` without
   coefficients returns it, `(ys, hT, cT)`, its products taken from `buffer`
   (flat, in the computation dtype) as `plan` says: the matrix-vector
-  products, or products of the whole buffer, one a view width.
+  products, the blocks' batched product, or products of the whole buffer,
+  one a view width.
   Arguments as `_reference.forward_scan`'s, but `xs[0]` alone is read: at one step
   every direction's input is the same, but where a sequence is empty, whose
   outputs the mask drops."""

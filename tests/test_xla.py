@@ -1050,10 +1050,11 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   than one sequence, with a small recurrent matrix, multiplies by them
   transposed (`_xla._transposes_in_loop`: XLA hoists the transposes out of
   the loop): an LSTM's and the plain RNNs' two matrices stacked, one product
-  a step (`_products_per_token`), a GRU's two; the loop carrying its
-  weights, one sequence, or a larger matrix keep the opaque blocks (two
-  products); the step runs without a loop of its own where the weights are
-  transposed, or on one sequence. Values and gradients against the
+  a step (`_products_per_token`), a GRU's two; one sequence, or a larger
+  matrix keep the opaque blocks (two products), and so does the loop
+  carrying its weights where it does not take the buffer's blocks
+  (`_one_step`); the step runs without a loop of its own where the weights
+  are transposed, on the buffer's blocks, or on one sequence. Values and gradients against the
   reference's loop, and values with a sequence of length 0."""
   spec = cls(1, 8, 8, dtype=jnp.float32)  # the output is the next step's input
   # More sequences than one-step calls multiply in place (`_one_step.plan`).
@@ -1065,8 +1066,17 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   # ... and the step runs without a loop of its own, on the step axis kept
   # (`_reference.forward_scan`'s `step_axis`); against the opaque blocks, in one.
   assert _loops_per_token(fast, x, h, c, params) == 0
-  assert _loops_per_token(_decoder(spec, _xla.rnn, carried=True), x, h, c, params) == 1
-  assert _products_per_token(_decoder(spec, _xla.rnn, carried=True), x, h, c, params) == 2
+  # The loop carrying its weights: the buffer's blocks (`_one_step`'s
+  # `Plan.blocks`: one batched product, and one for the recurrent matrix's
+  # first rows), no loop; without them, the opaque blocks, in a loop.
+  carried = _decoder(spec, _xla.rnn, carried=True)
+  assert _loops_per_token(carried, x, h, c, params) == 0
+  assert _products_per_token(carried, x, h, c, params) == 2
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(_one_step, "BLOCKS_MIN_BATCH", np.inf)
+    carried = _decoder(spec, _xla.rnn, carried=True)
+    assert _loops_per_token(carried, x, h, c, params) == 1
+    assert _products_per_token(carried, x, h, c, params) == 2
   one = tuple(None if a is None else a[:, :1] for a in (x, h, c))
   assert _products_per_token(fast, *one, params) == 2
   # One sequence's feature-major product is batch-major: its step runs on the
