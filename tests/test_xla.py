@@ -1067,11 +1067,14 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   # (`_reference.forward_scan`'s `step_axis`); against the opaque blocks, in one.
   assert _loops_per_token(fast, x, h, c, params) == 0
   # The loop carrying its weights: the buffer's blocks (`_one_step`'s
-  # `Plan.blocks`: one batched product, and one for the recurrent matrix's
-  # first rows), no loop; without them, the opaque blocks, in a loop.
-  carried = _decoder(spec, _xla.rnn, carried=True)
-  assert _loops_per_token(carried, x, h, c, params) == 0
-  assert _products_per_token(carried, x, h, c, params) == 2
+  # `Plan.blocks`, under any JAX: one batched product, and one for the
+  # recurrent matrix's first rows), no loop; without them, the opaque
+  # blocks, in a loop.
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(_one_step, "BLOCKS_MIN_PRODUCTS", 0)
+    carried = _decoder(spec, _xla.rnn, carried=True)
+    assert _loops_per_token(carried, x, h, c, params) == 0
+    assert _products_per_token(carried, x, h, c, params) == 2
   with pytest.MonkeyPatch.context() as m:
     m.setattr(_one_step, "BLOCKS_MIN_BATCH", np.inf)
     carried = _decoder(spec, _xla.rnn, carried=True)
