@@ -364,8 +364,8 @@ def test_blocks_rule(monkeypatch):
   input), either direction, on `BLOCKS_MIN_BATCH` sequences or more (one
   sequence multiplies its matrices in place), not in a loop that closes
   over its weights; under a newer JAX, only where a matrix's product makes
-  at least `BLOCKS_MIN_PRODUCTS` multiplications. Before the whole buffer,
-  and past its bounds."""
+  at least `BLOCKS_MIN_PRODUCTS` multiplications; on a CPU that is JAX's
+  only device. Before the whole buffer, and past its bounds."""
   gru = jcr.CudnnGRU(1, 256, 256)
   step = lambda batch, dtype=jnp.float32: jax.ShapeDtypeStruct((1, batch, 256), dtype)
   assert _one_step.block_count(gru) == 2
@@ -390,6 +390,13 @@ def test_blocks_rule(monkeypatch):
   assert not _one_step.plan(gru, 0, step(15), looped=False).blocks  # the whole buffer
   assert _one_step.plan(gru, 0, step(2), looped=False) == _one_step.Plan(
       gru.params_size(), 256, 256, 256, (0,), (768,))
+  # Measured on a CPU that is JAX's only device.
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(jax, "default_backend", lambda: "gpu")
+    assert _one_step.plan(gru, 0, step(16), looped=False) is None
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(jax, "device_count", lambda *backend: 4)
+    assert _one_step.plan(gru, 0, step(16), looped=False) is None
 
 
 @pytest.mark.usefixtures("cpu_host")
