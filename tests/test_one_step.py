@@ -3,6 +3,7 @@
 values against numpy's RNN, its derivatives against the reference, and its
 rules' bounds."""
 
+import functools
 import os
 
 import jax
@@ -148,14 +149,21 @@ def test_whole_buffer_at_its_own_sizes(cls):
   input, four of layer 1's) on 4, against numpy."""
   for spec, batch in ((cls(2, 256, 256, dtype=jnp.float32), 4),
                       (cls(2, 256, 512, direction="bidirectional", dtype=jnp.float32), 4)):
-    weights, biases = random_canonical(spec, seed=4, scale=0.1)
-    params = spec.canonical_to_params(weights, biases)
-    x, h, c = random_inputs(spec, 1, batch)
-    run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla")
-    assert _only_whole_buffer_products(spec, run, x, h, c, params)
-    for a, b in zip(jax.jit(run)(x, h, c, params), _numpy(spec, weights, biases, x, h, c)):
-      if b is not None:
-        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=1e-4, atol=1e-5)
+    _matches_numpy_at_size(spec, batch, 4, functools.partial(_only_whole_buffer_products, spec))
+
+
+def _matches_numpy_at_size(spec, batch: int, seed: int, products):
+  """A jitted one-step call of `spec` on `batch` sequences, weights of scale
+  0.1: `products(run, *args)` holds of its function, and its values equal
+  numpy's RNN in float64 (to float32 rounding over these sizes)."""
+  weights, biases = random_canonical(spec, seed=seed, scale=0.1)
+  params = spec.canonical_to_params(weights, biases)
+  x, h, c = random_inputs(spec, 1, batch)
+  run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla")
+  assert products(run, x, h, c, params)
+  for a, b in zip(jax.jit(run)(x, h, c, params), _numpy(spec, weights, biases, x, h, c)):
+    if b is not None:
+      np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.usefixtures("cpu_host")
@@ -273,12 +281,18 @@ def test_whole_buffer_rule(monkeypatch):
   b, = jax.export.symbolic_shape("b")
   assert _one_step.plan(gru, 0, jax.ShapeDtypeStruct((1, b, 256), jnp.float32),
                         looped=False) is None
+  _only_on_a_sole_cpu(gru, step(8))
+
+
+def _only_on_a_sole_cpu(spec, x):
+  """No plan for a one-step call of `spec` on `x` on a GPU, nor where JAX has
+  several devices."""
   with pytest.MonkeyPatch.context() as m:
     m.setattr(jax, "default_backend", lambda: "gpu")
-    assert _one_step.plan(gru, 0, step(8), looped=False) is None
+    assert _one_step.plan(spec, 0, x, looped=False) is None
   with pytest.MonkeyPatch.context() as m:
     m.setattr(jax, "device_count", lambda *backend: 4)
-    assert _one_step.plan(gru, 0, step(8), looped=False) is None
+    assert _one_step.plan(spec, 0, x, looped=False) is None
 
 
 def _block_products_shapes(fn, *args) -> list:
@@ -333,14 +347,7 @@ def test_blocks_at_their_own_sizes(cls, lanes):
   sequences, bidirectional on 48, against numpy."""
   for spec, batch in ((cls(1, 256, 256, dtype=jnp.float32), 64),
                       (cls(1, 256, 256, direction="bidirectional", dtype=jnp.float32), 48)):
-    weights, biases = random_canonical(spec, seed=6, scale=0.1)
-    params = spec.canonical_to_params(weights, biases)
-    x, h, c = random_inputs(spec, 1, batch)
-    run = lambda x, h, c, p: call(spec, x, h, c, p, is_training=False, implementation="xla")
-    assert _only_block_products(spec, batch, run, x, h, c, params)
-    for a, b in zip(jax.jit(run)(x, h, c, params), _numpy(spec, weights, biases, x, h, c)):
-      if b is not None:
-        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=1e-4, atol=1e-5)
+    _matches_numpy_at_size(spec, batch, 6, functools.partial(_only_block_products, spec, batch))
 
 
 @pytest.mark.usefixtures("cpu_host")
@@ -390,13 +397,7 @@ def test_blocks_rule(monkeypatch):
   assert not _one_step.plan(gru, 0, step(15), looped=False).blocks  # the whole buffer
   assert _one_step.plan(gru, 0, step(2), looped=False) == _one_step.Plan(
       gru.params_size(), 256, 256, 256, (0,), (768,))
-  # Measured on a CPU that is JAX's only device.
-  with pytest.MonkeyPatch.context() as m:
-    m.setattr(jax, "default_backend", lambda: "gpu")
-    assert _one_step.plan(gru, 0, step(16), looped=False) is None
-  with pytest.MonkeyPatch.context() as m:
-    m.setattr(jax, "device_count", lambda *backend: 4)
-    assert _one_step.plan(gru, 0, step(16), looped=False) is None
+  _only_on_a_sole_cpu(gru, step(16))  # where it was measured
 
 
 @pytest.mark.usefixtures("cpu_host")
