@@ -664,7 +664,7 @@ def _block_products(g: int, plan: Plan, x, h0, buffer):
   vectors = [v for d in range(D) for v in (x, h0[d])]
   view = buffer.reshape(2 * D, g * H + g, H)
   product = jax.lax.dot_general(view, jnp.stack(vectors), (((2,), (2,)), ((0,), (0,))))
-  # After a barrier, as `_view_products`'.
+  # Transposed after a barrier, as `_view_products`' products are.
   product = jax.lax.optimization_barrier(product)
 
   def matrix(j):
