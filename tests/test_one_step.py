@@ -45,10 +45,16 @@ def lanes(monkeypatch):
   monkeypatch.setattr(_one_step, "fuses_matvec", lambda version=None: False)
 
 
+def _product_shapes(fn, *args) -> list:
+  """The `(lhs, rhs)` shapes of `fn`'s products, nested ones too."""
+  eqns = jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
+  return [tuple(v.aval.shape for v in e.invars) for e in eqns
+          if e.primitive.name == "dot_general"]
+
+
 def _products(fn, *args) -> list:
   """The shapes of the left operands of `fn`'s products, nested ones too."""
-  eqns = jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
-  return [e.invars[0].aval.shape for e in eqns if e.primitive.name == "dot_general"]
+  return [lhs for lhs, _ in _product_shapes(fn, *args)]
 
 
 def _temp_bytes(fn, *args) -> int:
@@ -295,13 +301,6 @@ def _only_on_a_sole_cpu(spec, x):
     assert _one_step.plan(spec, 0, x, looped=False) is None
 
 
-def _block_products_shapes(fn, *args) -> list:
-  """The `(lhs, rhs)` shapes of `fn`'s products, nested ones too."""
-  eqns = jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
-  return [tuple(v.aval.shape for v in e.invars) for e in eqns
-          if e.primitive.name == "dot_general"]
-
-
 def _only_block_products(spec, batch, fn, *args) -> bool:
   """Whether `fn`'s products are one batched product of the buffer's blocks
   (`[2D, g*H + g, H]` by the input and the states) and, for each matrix `j`
@@ -309,12 +308,12 @@ def _only_block_products(spec, batch, fn, *args) -> bool:
   g, H, D = spec.num_gates, spec.num_units, spec.num_dirs
   want = [((2 * D, g * H + g, H), (2 * D, batch, H))]
   want += [((batch, H), (H, j * g)) for j in range(1, 2 * D)]
-  return sorted(_block_products_shapes(fn, *args)) == sorted(want)
+  return sorted(_product_shapes(fn, *args)) == sorted(want)
 
 
 # One-layer models of I = H through the blocks: both directions, 1 to 3
-# matrices' first rows in the block before.
-# More sequences than `MATVEC_MAX_BATCH`, which multiply their matrices in place.
+# matrices' first rows in the block before; more sequences than
+# `MATVEC_MAX_BATCH`, which multiply their matrices in place.
 BLOCKS = [(8, "unidirectional", 4), (8, "bidirectional", 5), (12, "bidirectional", 6)]
 
 
@@ -783,8 +782,8 @@ def test_decoders_loop_keeps_the_slices():
     return run
 
   assert _whole_buffer_products(decode(False), x, h, params) == []
-  assert ((2, 771, 256), (2, 4, 256)) not in _block_products_shapes(decode(False), x, h, params)
-  assert ((2, 771, 256), (2, 4, 256)) in _block_products_shapes(decode(True), x, h, params)
+  assert ((2, 771, 256), (2, 4, 256)) not in _product_shapes(decode(False), x, h, params)
+  assert ((2, 771, 256), (2, 4, 256)) in _product_shapes(decode(True), x, h, params)
   with pytest.MonkeyPatch.context() as m:
     _no_blocks(m)
     assert len(_whole_buffer_products(decode(True), x, h, params)) == 1

@@ -1054,8 +1054,9 @@ def test_one_step_in_a_loop_multiplies_transposed_weights(cls):
   matrix keep the opaque blocks (two products), and so does the loop
   carrying its weights where it does not take the buffer's blocks
   (`_one_step`); the step runs without a loop of its own where the weights
-  are transposed, on the buffer's blocks, or on one sequence. Values and gradients against the
-  reference's loop, and values with a sequence of length 0."""
+  are transposed, on the buffer's blocks, or on one sequence. Values and
+  gradients against the reference's loop, and values with a sequence of
+  length 0."""
   spec = cls(1, 8, 8, dtype=jnp.float32)  # the output is the next step's input
   # More sequences than one-step calls multiply in place (`_one_step.plan`).
   x, h, c = random_inputs(spec, 1, _one_step.MATVEC_MAX_BATCH + 1)
